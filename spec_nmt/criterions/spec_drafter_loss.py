@@ -1,0 +1,85 @@
+"""Criterion ``spec_drafter_loss``: label-smoothed cross-entropy over the k drafted positions.
+
+Besides the loss it reports how drafting would fare against the reference: ``acc`` (per-token
+accuracy), ``lead`` (mean run of correct tokens from the start of the block, what a verifier
+that agrees with the reference would accept) and ``first1`` .. ``firstN`` (percent of blocks whose
+first n drafted tokens are all right; positions past the end of the target count as right).
+"""
+import math
+from dataclasses import dataclass, field
+
+from fairseq import metrics, utils
+from fairseq.criterions import FairseqCriterion, register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from fairseq.dataclass import FairseqDataclass
+
+
+@dataclass
+class SpecDrafterLossConfig(FairseqDataclass):
+    label_smoothing: float = field(
+        default=0.1, metadata={"help": "epsilon for label smoothing, 0 means none"}
+    )
+    report_first_n: int = field(
+        default=5, metadata={"help": "log firstN metrics for N = 1 .. this (capped at k)"}
+    )
+
+
+@register_criterion("spec_drafter_loss", dataclass=SpecDrafterLossConfig)
+class SpecDrafterLoss(FairseqCriterion):
+    def __init__(self, task, label_smoothing, report_first_n):
+        super().__init__(task)
+        self.eps = label_smoothing
+        self.report_first_n = report_first_n
+
+    def forward(self, model, sample, reduce=True):
+        logits, extra = model(**sample["net_input"])  # [B, k, V]
+        lprobs = model.get_normalized_probs((logits, extra), log_probs=True)
+        target = sample["target"]  # [B, k]
+        loss, nll_loss = label_smoothed_nll_loss(
+            lprobs.reshape(-1, lprobs.size(-1)),
+            target.reshape(-1),
+            self.eps,
+            ignore_index=self.padding_idx,
+            reduce=reduce,
+        )
+        sample_size = sample["ntokens"]
+        is_label = target.ne(self.padding_idx)
+        right = lprobs.argmax(dim=-1).eq(target)
+        leading = (right | ~is_label).long().cumprod(dim=1)  # 1 while every token so far is right
+        logging_output = {
+            "loss": loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": target.size(0),
+            "sample_size": sample_size,
+            "n_correct": int((right & is_label).sum()),
+            "lead_sum": int((leading.bool() & is_label).sum()),
+        }
+        for n in range(1, min(self.report_first_n, target.size(1)) + 1):
+            logging_output[f"first{n}_count"] = int(leading[:, n - 1].sum())
+        return loss, sample_size, logging_output
+
+    @staticmethod
+    def reduce_metrics(logging_outputs) -> None:
+        def total(key):
+            return sum(log.get(key, 0) for log in logging_outputs)
+
+        loss, nll_loss = total("loss"), total("nll_loss")
+        ntokens, nsentences = total("ntokens"), total("nsentences")
+        sample_size = total("sample_size")
+        metrics.log_scalar("loss", loss / max(sample_size, 1) / math.log(2), sample_size, round=3)
+        metrics.log_scalar("nll_loss", nll_loss / max(ntokens, 1) / math.log(2), ntokens, round=3)
+        metrics.log_derived("ppl", lambda meters: utils.get_perplexity(meters["nll_loss"].avg))
+        metrics.log_scalar("acc", 100.0 * total("n_correct") / max(ntokens, 1), ntokens, round=2)
+        metrics.log_scalar("lead", total("lead_sum") / max(nsentences, 1), nsentences, round=3)
+        first_keys = sorted(
+            {key for log in logging_outputs for key in log if key.startswith("first")},
+            key=lambda key: int(key[len("first") : -len("_count")]),
+        )
+        for key in first_keys:
+            name = key[: -len("_count")]
+            metrics.log_scalar(name, 100.0 * total(key) / max(nsentences, 1), nsentences, round=2)
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True

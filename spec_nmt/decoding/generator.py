@@ -1,0 +1,209 @@
+"""The speculative decoding loop, as a drop-in for fairseq's ``SequenceGenerator``.
+
+Each iteration, for every unfinished sentence of the batch:
+  1. draft:  the drafter fills k [MASK] positions after the verified prefix;
+  2. score:  the verifier scores [pending token, d_1 .. d_k] in one pass on its KV cache;
+  3. accept: the rule keeps the longest acceptable run of drafts, then the verifier's own token
+             (correction or bonus) follows;
+  4. commit: accepted tokens join the prefix, the verifier's cache drops the rejected entries,
+             finished sentences leave the batch.
+Every iteration emits at least one token, so even a useless drafter degrades to greedy decoding.
+"""
+import logging
+import math
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+from torch import Tensor
+
+from spec_nmt.decoding.verify import accept_top_beta
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodingStats:
+    """Totals over everything a generator decoded. An iteration is one verifier call for one
+    sentence; ``batched_verifier_calls`` counts the calls for whole batches."""
+
+    sentences: int = 0
+    iterations: int = 0
+    batched_verifier_calls: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def mean_accepted_per_iteration(self) -> float:
+        return self.accepted_tokens / max(self.iterations, 1)
+
+    def summary(self) -> str:
+        return (
+            f"speculative decoding: {self.sentences} sentences, {self.iterations} iterations "
+            f"({self.batched_verifier_calls} batched verifier calls), "
+            f"{self.drafted_tokens} drafted tokens, {self.accepted_tokens} accepted tokens, "
+            f"{self.output_tokens} output tokens, "
+            f"mean accepted tokens per iteration {self.mean_accepted_per_iteration:.2f}"
+        )
+
+
+class SpeculativeGenerator:
+    """Generates translations like ``SequenceGenerator(beam=1)`` with the same length limits,
+    penalties and hypothesis format (tokens, score, positional_scores from the verifier)."""
+
+    def __init__(
+        self,
+        verifier,
+        drafter,
+        tgt_dict,
+        block_size: int,
+        beta: int = 1,
+        tau: float = 0.0,
+        max_len_a: float = 0,
+        max_len_b: int = 200,
+        max_len: int = 0,
+        min_len: int = 1,
+        normalize_scores: bool = True,
+        len_penalty: float = 1.0,
+        unk_penalty: float = 0.0,
+    ):
+        self.verifier = verifier
+        self.drafter = drafter
+        self.block_size = block_size
+        self.beta = beta
+        self.tau = tau
+        self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
+        self.symbols_to_strip_from_output = {self.eos}
+        self.max_len_a, self.max_len_b, self.min_len = max_len_a, max_len_b, min_len
+        self.max_len = max_len or verifier.max_positions()
+        self.normalize_scores = normalize_scores
+        self.len_penalty = len_penalty
+        self.unk_penalty = unk_penalty
+        self.stats = DecodingStats()
+
+    @torch.no_grad()
+    def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, **unused):
+        if prefix_tokens is not None or constraints is not None:
+            raise ValueError("speculative decoding does not support prefix tokens or constraints")
+        net_input = sample["net_input"]
+        src_tokens = net_input["src_tokens"]
+        bsz, src_len = src_tokens.shape[:2]
+        # Same limit as SequenceGenerator, which takes the padded source length of the batch.
+        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        if self.min_len > max_len:
+            raise ValueError("--min-len cannot be larger than the maximum output length")
+        k = self.block_size
+
+        slack = k + 1  # a block may write up to k+1 tokens past the last verified one
+        tokens = src_tokens.new_full((bsz, max_len + 2 + slack), self.pad)
+        tokens[:, 0] = self.eos
+        token_scores = torch.zeros(bsz, max_len + 1 + slack, device=src_tokens.device)
+        lengths = src_tokens.new_zeros(bsz)  # verified output tokens per row
+        iterations = src_tokens.new_zeros(bsz)
+        accepted = src_tokens.new_zeros(bsz)
+        finalized: List[List[Dict]] = [[] for _ in range(bsz)]
+
+        verifier_state = self.verifier.start(net_input)
+        drafter_state = self.drafter.start(net_input)
+        # Empty source lines get an empty translation without running the decoder.
+        has_source = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).any(dim=1)
+        tokens[~has_source, 1] = self.eos
+        lengths[~has_source] = 1
+        rows = has_source.nonzero().squeeze(1)  # original batch index of each active row
+        for row in (~has_source).nonzero().squeeze(1).tolist():
+            finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
+        if rows.numel() < bsz:
+            verifier_state, drafter_state = self._select(verifier_state, drafter_state, rows)
+
+        while rows.numel() > 0:
+            row_tokens, row_lengths = tokens[rows], lengths[rows]
+            # The drafter cannot look past its own position limit: shrink the block near it.
+            block = max(0, min(k, self.drafter.max_positions() - 1 - int(row_lengths.max())))
+            drafts = self.drafter.propose(drafter_state, row_tokens, row_lengths, block)  # 1.
+            pending = row_tokens.gather(1, row_lengths.unsqueeze(1))
+            logprobs = self.verifier.score_block(verifier_state, torch.cat([pending, drafts], 1))
+            logprobs = self._search_constraints(logprobs, row_lengths, max_len)  # 2.
+            n_accepted, next_tokens = accept_top_beta(  # 3.
+                drafts, logprobs, self.beta, self.tau, self.eos
+            )
+            emitted, n_emitted = _emitted_tokens(drafts, n_accepted, next_tokens, self.eos)
+            emitted_scores = logprobs.gather(2, emitted.unsqueeze(2)).squeeze(2)
+
+            write_at = row_lengths.unsqueeze(1) + 1 + torch.arange(block + 1, device=rows.device)
+            row_tokens.scatter_(1, write_at, emitted)  # 4.
+            tokens[rows] = row_tokens
+            token_scores[rows] = token_scores[rows].scatter(1, write_at - 1, emitted_scores)
+            lengths[rows] = row_lengths + n_emitted
+            iterations[rows] += 1
+            accepted[rows] += n_accepted
+            self.verifier.commit(verifier_state, n_accepted + 1)
+            self.stats.batched_verifier_calls += 1
+            self.stats.drafted_tokens += block * rows.numel()
+
+            ended = emitted.eq(self.eos) & (
+                torch.arange(block + 1, device=rows.device) < n_emitted.unsqueeze(1)
+            )
+            ended = ended.any(dim=1)
+            for row in rows[ended].tolist():
+                finalized[row].append(self._hypothesis(tokens[row], token_scores[row], lengths[row]))
+                finalized[row][0]["spec_iterations"] = int(iterations[row])
+                finalized[row][0]["spec_accepted_tokens"] = int(accepted[row])
+            if ended.any():
+                keep = (~ended).nonzero().squeeze(1)
+                rows = rows[keep]
+                if rows.numel() > 0:
+                    verifier_state, drafter_state = self._select(verifier_state, drafter_state, keep)
+
+        self.stats.sentences += bsz
+        self.stats.iterations += int(iterations.sum())
+        self.stats.accepted_tokens += int(accepted.sum())
+        self.stats.output_tokens += int(lengths.sum())
+        return finalized
+
+    def _select(self, verifier_state, drafter_state, keep: Tensor):
+        self.verifier.select_rows(verifier_state, keep)
+        return verifier_state, self.drafter.select_rows(drafter_state, keep)
+
+    def _search_constraints(self, logprobs: Tensor, lengths: Tensor, max_len: int) -> Tensor:
+        """The adjustments SequenceGenerator makes to every step's log-probs, for every block
+        position at once (the token predicted at block position i is output step lengths + i)."""
+        logprobs = logprobs.masked_fill(logprobs != logprobs, float("-inf"))
+        logprobs[:, :, self.pad] = float("-inf")
+        logprobs[:, :, self.unk] -= self.unk_penalty
+        steps = lengths.unsqueeze(1) + torch.arange(logprobs.size(1), device=lengths.device)
+        not_eos = torch.ones(logprobs.size(2), dtype=torch.bool, device=logprobs.device)
+        not_eos[self.eos] = False
+        force_eos = steps.ge(max_len).unsqueeze(2) & not_eos
+        logprobs = logprobs.masked_fill(force_eos, float("-inf"))
+        ban_eos = steps.lt(self.min_len).unsqueeze(2) & ~not_eos
+        return logprobs.masked_fill(ban_eos, float("-inf"))
+
+    def _hypothesis(self, row_tokens: Tensor, row_scores: Tensor, length) -> Dict:
+        length = int(length)
+        positional_scores = row_scores[:length].clone()
+        score = positional_scores.sum()
+        if self.normalize_scores:
+            score = score / length**self.len_penalty
+        return {
+            "tokens": row_tokens[1 : length + 1].clone(),
+            "score": score,
+            "attention": torch.empty(0),
+            "alignment": torch.empty(0),
+            "positional_scores": positional_scores,
+        }
+
+    def log_summary(self) -> None:
+        if self.stats.sentences:
+            logger.info(self.stats.summary())
+
+
+def _emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos: int):
+    """Tokens [B, k+1] an iteration appends (accepted drafts, then the correction/bonus token
+    unless an accepted EOS ended the sentence) and how many of them count [B]."""
+    k = drafts.size(1)
+    emitted = torch.cat([drafts, drafts.new_zeros(drafts.size(0), 1)], dim=1)
+    emitted.scatter_(1, n_accepted.unsqueeze(1), next_tokens.unsqueeze(1))
+    accepted_mask = torch.arange(k, device=drafts.device) < n_accepted.unsqueeze(1)
+    eos_accepted = (drafts.eq(eos) & accepted_mask).any(dim=1)
+    return emitted, n_accepted + (~eos_accepted).long()

@@ -1,0 +1,122 @@
+"""Spec-Drafter (Xia et al., 2023, "Speculative Decoding: Exploiting Speculative Execution for
+Accelerating Seq2seq Generation"): a non-autoregressive drafter with a deep encoder and a shallow
+decoder. Its decoder input is BOS + the verified target prefix + k ``[MASK]`` symbols; one
+bidirectional pass predicts the k next tokens at the mask positions.
+
+The mask is a real dictionary symbol: the task appends ``[MASK]`` to the end of the (joined)
+dictionary when the data's dictionary lacks it, so every other symbol keeps its index and the
+drafter's ids match the verifier's, which is trained on the unchanged dictionary.
+"""
+import hashlib
+from types import SimpleNamespace
+
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import (
+    TransformerDecoderBase,
+    TransformerModel,
+    base_architecture,
+)
+
+MASK_SYMBOL = "[MASK]"
+
+
+def dictionary_fingerprint(dictionary) -> str:
+    """A short hash of a dictionary's symbols in index order."""
+    return hashlib.sha1("\n".join(dictionary.symbols).encode("utf-8")).hexdigest()[:16]
+
+
+class SpecDrafterDecoder(TransformerDecoderBase):
+    """A Transformer decoder without the causal mask, scoring only the [MASK] positions."""
+
+    def __init__(self, cfg, dictionary, embed_tokens):
+        super().__init__(cfg, dictionary, embed_tokens)
+        if MASK_SYMBOL not in dictionary.indices:
+            raise ValueError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
+        self.mask_idx = dictionary.index(MASK_SYMBOL)
+
+    def forward(self, prev_output_tokens, encoder_out=None, **unused):
+        """prev_output_tokens: [B, T], each row BOS + prefix + k masks, right-padded.
+        Returns (logits [B, k, V] at the mask positions, extra)."""
+        is_mask = prev_output_tokens.eq(self.mask_idx)
+        block = is_mask.sum(dim=1)
+        if block.numel() and not bool(block.eq(block[0]).all()):
+            raise ValueError("every row of a drafter input must hold the same number of masks")
+        features, extra = self.extract_features(
+            prev_output_tokens, encoder_out, full_context_alignment=True
+        )
+        batch = prev_output_tokens.size(0)
+        block_features = features[is_mask].view(batch, -1, features.size(-1))
+        return self.output_layer(block_features), extra
+
+
+@register_model("spec_drafter")
+class SpecDrafterModel(TransformerModel):
+    """Deep-encoder/shallow-decoder NAR drafter. Train it with ``--task spec_translation``."""
+
+    @staticmethod
+    def add_args(parser):
+        TransformerModel.add_args(parser)
+        parser.add_argument(
+            "--drafter-dictionary-fingerprint",
+            default=None,
+            help="set automatically: hash of the dictionary the drafter was trained with, "
+            "checked when it is loaded next to a verifier",
+        )
+
+    @classmethod
+    def build_model(cls, args, task):
+        if not hasattr(task, "drafter_dictionaries"):
+            raise ValueError(
+                "spec_drafter models are trained and loaded with --task spec_translation"
+            )
+        src_dict, tgt_dict = task.drafter_dictionaries()
+        fingerprint = dictionary_fingerprint(tgt_dict)
+        saved = getattr(args, "drafter_dictionary_fingerprint", None)
+        if saved and saved != fingerprint:
+            raise ValueError(
+                f"the drafter was trained with a different dictionary than the one in "
+                f"{task.cfg.data} (fingerprint {saved} != {fingerprint}): use the data directory "
+                "the drafter and verifier were trained on"
+            )
+        args.drafter_dictionary_fingerprint = fingerprint
+        dictionaries = SimpleNamespace(source_dictionary=src_dict, target_dictionary=tgt_dict)
+        return super().build_model(args, dictionaries)
+
+    @classmethod
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+        return SpecDrafterDecoder(cfg, tgt_dict, embed_tokens)
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, **unused):
+        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
+        return self.decoder(prev_output_tokens, encoder_out)
+
+
+@register_model_architecture("spec_drafter", "spec_drafter")
+def spec_drafter_architecture(args):
+    """Defaults of every Spec-Drafter: deep encoder, shallow decoder; the rest as fairseq's
+    transformer base. Named variants set their sizes and call this."""
+    args.encoder_layers = getattr(args, "encoder_layers", 12)
+    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    base_architecture(args)
+
+
+@register_model_architecture("spec_drafter", "spec_drafter_base")
+def spec_drafter_base(args):
+    """The paper's shape: 12 encoder / 2 decoder layers, d=512, 8 heads, FFN 2048."""
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 512)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 2048)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 8)
+    spec_drafter_architecture(args)
+
+
+@register_model_architecture("spec_drafter", "spec_drafter_small")
+def spec_drafter_small(args):
+    """A drafter that trains on a few CPU cores: 6 encoder / 2 decoder layers, d=256, 4 heads."""
+    args.encoder_layers = getattr(args, "encoder_layers", 6)
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 256)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 1024)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
+    spec_drafter_architecture(args)

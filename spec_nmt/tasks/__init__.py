@@ -1,0 +1,1 @@
+from spec_nmt.tasks import spec_translation  # noqa: F401  (registers the task)
