@@ -6,7 +6,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test clean
+.PHONY: install test translate clean
+
+MODEL_DIR ?= data/models/bench-de-en
+BLOCK_SIZE ?= 25
+BETA ?= 1
+TAU ?= 0
 
 $(STAMP): setup.py requirements.txt requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +24,16 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Translate German from stdin with speculative decoding on CPU.
+translate: $(STAMP)
+	@for f in verifier.pt drafter.pt dict.de.txt dict.en.txt spm.model; do \
+	  test -f $(MODEL_DIR)/$$f || { echo "make translate: $(MODEL_DIR)/$$f is missing (set MODEL_DIR to a model pair, see README)" >&2; exit 1; }; \
+	done
+	$(VENV)/bin/fairseq-interactive $(MODEL_DIR) --user-dir spec_nmt --task spec_translation \
+	  --source-lang de --target-lang en --path $(MODEL_DIR)/verifier.pt \
+	  --drafter-path $(MODEL_DIR)/drafter.pt --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) \
+	  --bpe sentencepiece --sentencepiece-model $(MODEL_DIR)/spm.model --cpu
 
 clean:
 	rm -rf $(VENV) *.egg-info

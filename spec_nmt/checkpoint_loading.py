@@ -5,6 +5,7 @@ not opt out, so checkpoints holding their training configuration (an ``argparse.
 ones numpy scalars) fail to load. The types below are plain data containers; allowing them keeps
 the safe loader on instead of turning it off.
 """
+
 import argparse
 
 import numpy

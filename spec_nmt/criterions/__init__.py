@@ -1,1 +1,1 @@
-from spec_nmt.criterions import spec_drafter_loss  # noqa: F401  (registers the criterion)
+from spec_nmt.criterions import spec_drafter_loss  # noqa: F401  (registration)

@@ -5,6 +5,7 @@ accuracy), ``lead`` (mean run of correct tokens from the start of the block, wha
 that agrees with the reference would accept) and ``first1`` .. ``firstN`` (percent of blocks whose
 first n drafted tokens are all right; positions past the end of the target count as right).
 """
+
 import math
 from dataclasses import dataclass, field
 

@@ -3,6 +3,7 @@
 A drafter adapter has three verbs: ``start`` (encode the batch once), ``propose`` (draft the next
 k tokens of every row after its verified prefix) and ``select_rows`` (finished sentences leave).
 """
+
 from typing import Dict
 
 import torch
@@ -46,4 +47,3 @@ class NarDrafter:
 
     def select_rows(self, encoder_out: Dict, rows: Tensor) -> Dict:
         return self.model.encoder.reorder_encoder_out(encoder_out, rows)
-

@@ -9,8 +9,8 @@ Each iteration, for every unfinished sentence of the batch:
              finished sentences leave the batch.
 Every iteration emits at least one token, so even a useless drafter degrades to greedy decoding.
 """
+
 import logging
-import math
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from spec_nmt.decoding.verify import accept_top_beta
+from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +86,14 @@ class SpeculativeGenerator:
     @torch.no_grad()
     def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, **unused):
         if prefix_tokens is not None or constraints is not None:
-            raise ValueError("speculative decoding does not support prefix tokens or constraints")
+            raise SpecNmtError("speculative decoding does not support prefix tokens or constraints")
         net_input = sample["net_input"]
         src_tokens = net_input["src_tokens"]
         bsz, src_len = src_tokens.shape[:2]
         # Same limit as SequenceGenerator, which takes the padded source length of the batch.
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
         if self.min_len > max_len:
-            raise ValueError("--min-len cannot be larger than the maximum output length")
+            raise SpecNmtError("--min-len cannot be larger than the maximum output length")
         k = self.block_size
 
         slack = k + 1  # a block may write up to k+1 tokens past the last verified one
@@ -146,14 +147,18 @@ class SpeculativeGenerator:
             )
             ended = ended.any(dim=1)
             for row in rows[ended].tolist():
-                finalized[row].append(self._hypothesis(tokens[row], token_scores[row], lengths[row]))
+                finalized[row].append(
+                    self._hypothesis(tokens[row], token_scores[row], lengths[row])
+                )
                 finalized[row][0]["spec_iterations"] = int(iterations[row])
                 finalized[row][0]["spec_accepted_tokens"] = int(accepted[row])
             if ended.any():
                 keep = (~ended).nonzero().squeeze(1)
                 rows = rows[keep]
                 if rows.numel() > 0:
-                    verifier_state, drafter_state = self._select(verifier_state, drafter_state, keep)
+                    verifier_state, drafter_state = self._select(
+                        verifier_state, drafter_state, keep
+                    )
 
         self.stats.sentences += bsz
         self.stats.iterations += int(iterations.sum())

@@ -13,11 +13,14 @@ holes marked in ``prev_key_padding_mask``. ``commit`` keeps the first n block en
 and gathers them right behind the row's valid slots, so holes never accumulate and a rejected
 entry is never seen again. Encoder-attention entries (``static_kv``) are never touched.
 """
+
 from typing import Dict, Optional
 
 import torch
 from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor
+
+from spec_nmt.errors import SpecNmtError
 
 
 class VerifierState:
@@ -35,13 +38,16 @@ class TransformerVerifier:
 
     def __init__(self, model, temperature: float = 1.0):
         decoder = getattr(model, "decoder", None)
-        if not isinstance(decoder, TransformerDecoderBase) or getattr(model, "encoder", None) is None:
-            raise ValueError(
+        if (
+            not isinstance(decoder, TransformerDecoderBase)
+            or getattr(model, "encoder", None) is None
+        ):
+            raise SpecNmtError(
                 "the verifier (--path) must be a fairseq Transformer encoder-decoder translation "
                 f"model, got {type(model).__name__}"
             )
         if decoder.cross_self_attention or decoder.adaptive_softmax is not None:
-            raise ValueError(
+            raise SpecNmtError(
                 "the verifier uses --cross-self-attention or an adaptive softmax, "
                 "which block scoring does not support"
             )
@@ -90,9 +96,7 @@ class TransformerVerifier:
         enc_padding = state.encoder_out["encoder_padding_mask"]
         enc_padding = enc_padding[0] if len(enc_padding) > 0 else None
         for layer in dec.layers:
-            x, _, _ = layer(
-                x, enc, enc_padding, state.incremental_state, self_attn_mask=attn_mask
-            )
+            x, _, _ = layer(x, enc, enc_padding, state.incremental_state, self_attn_mask=attn_mask)
         if dec.layer_norm is not None:
             x = dec.layer_norm(x)
         x = x.transpose(0, 1)

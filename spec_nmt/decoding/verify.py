@@ -6,18 +6,21 @@ k drafted tokens and the verifier's scores for the k+1 positions of
 verifier puts after them: the *correction* token at the first rejection, or the *bonus* token after
 a fully accepted block.
 """
+
 from typing import Tuple
 
 import torch
 from torch import Tensor
 
+from spec_nmt.errors import SpecNmtError
+
 
 def check_top_beta_params(beta: int, tau: float) -> None:
     """Raise a one-line ValueError for parameters the top-beta/tau rule cannot use."""
     if int(beta) != beta or beta < 1:
-        raise ValueError(f"--beta must be an integer >= 1, got {beta}")
+        raise SpecNmtError(f"--beta must be an integer >= 1, got {beta}")
     if not tau >= 0:  # also rejects NaN
-        raise ValueError(f"--tau must be >= 0, got {tau}")
+        raise SpecNmtError(f"--tau must be >= 0, got {tau}")
 
 
 def accept_top_beta(
@@ -40,7 +43,7 @@ def accept_top_beta(
     """
     batch, k = draft_tokens.shape
     if verifier_logprobs.shape[:2] != (batch, k + 1):
-        raise ValueError(
+        raise SpecNmtError(
             f"verifier_logprobs must be [B, k+1, V] = [{batch}, {k + 1}, V], "
             f"got {list(verifier_logprobs.shape)}"
         )

@@ -1,1 +1,3 @@
-from spec_nmt.models import spec_drafter  # noqa: F401  (registers the model and its archs)
+from spec_nmt.models import (  # noqa: F401  (registers the model and its archs)
+    spec_drafter,
+)

@@ -7,6 +7,7 @@ The mask is a real dictionary symbol: the task appends ``[MASK]`` to the end of 
 dictionary when the data's dictionary lacks it, so every other symbol keeps its index and the
 drafter's ids match the verifier's, which is trained on the unchanged dictionary.
 """
+
 import hashlib
 from types import SimpleNamespace
 
@@ -16,6 +17,8 @@ from fairseq.models.transformer import (
     TransformerModel,
     base_architecture,
 )
+
+from spec_nmt.errors import SpecNmtError
 
 MASK_SYMBOL = "[MASK]"
 
@@ -31,7 +34,7 @@ class SpecDrafterDecoder(TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens):
         super().__init__(cfg, dictionary, embed_tokens)
         if MASK_SYMBOL not in dictionary.indices:
-            raise ValueError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
+            raise SpecNmtError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
         self.mask_idx = dictionary.index(MASK_SYMBOL)
 
     def forward(self, prev_output_tokens, encoder_out=None, **unused):
@@ -40,7 +43,7 @@ class SpecDrafterDecoder(TransformerDecoderBase):
         is_mask = prev_output_tokens.eq(self.mask_idx)
         block = is_mask.sum(dim=1)
         if block.numel() and not bool(block.eq(block[0]).all()):
-            raise ValueError("every row of a drafter input must hold the same number of masks")
+            raise SpecNmtError("every row of a drafter input must hold the same number of masks")
         features, extra = self.extract_features(
             prev_output_tokens, encoder_out, full_context_alignment=True
         )
@@ -66,14 +69,14 @@ class SpecDrafterModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         if not hasattr(task, "drafter_dictionaries"):
-            raise ValueError(
+            raise SpecNmtError(
                 "spec_drafter models are trained and loaded with --task spec_translation"
             )
         src_dict, tgt_dict = task.drafter_dictionaries()
         fingerprint = dictionary_fingerprint(tgt_dict)
         saved = getattr(args, "drafter_dictionary_fingerprint", None)
         if saved and saved != fingerprint:
-            raise ValueError(
+            raise SpecNmtError(
                 f"the drafter was trained with a different dictionary than the one in "
                 f"{task.cfg.data} (fingerprint {saved} != {fingerprint}): use the data directory "
                 "the drafter and verifier were trained on"

@@ -5,6 +5,7 @@
 * speculative decoding: with ``--drafter-path``, ``build_generator`` returns the speculative
   generator, so ``fairseq-generate`` and ``fairseq-interactive`` decode with it unchanged.
 """
+
 import atexit
 import copy
 import logging
@@ -22,6 +23,7 @@ from spec_nmt.decoding.drafters import NarDrafter
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.decoding.verify import check_top_beta_params
+from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class SpecTranslationTask(TranslationTask):
 
     def __init__(self, cfg: SpecTranslationConfig, src_dict, tgt_dict):
         if cfg.block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {cfg.block_size}")
+            raise SpecNmtError(f"--block-size must be >= 1, got {cfg.block_size}")
         check_top_beta_params(cfg.beta, cfg.tau)
         super().__init__(cfg, src_dict, tgt_dict)
         self._drafter_dicts = None
@@ -81,7 +83,7 @@ class SpecTranslationTask(TranslationTask):
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
         if not from_checkpoint and not isinstance(model, SpecDrafterModel):
-            raise ValueError(
+            raise SpecNmtError(
                 "--task spec_translation trains Spec-Drafters (--arch spec_drafter_small, "
                 "spec_drafter_base, ...); train the verifier with --task translation"
             )
@@ -126,7 +128,12 @@ class SpecTranslationTask(TranslationTask):
 
     # ----- speculative decoding ---------------------------------------------------------------
     def build_generator(
-        self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None
+        self,
+        models,
+        args,
+        seq_gen_cls=None,
+        extra_gen_cls_kwargs=None,
+        prefix_allowed_tokens_fn=None,
     ):
         if self.cfg.drafter_path is None:
             return super().build_generator(
@@ -160,11 +167,17 @@ class SpecTranslationTask(TranslationTask):
     def load_drafter(self, path: str, verifier_model) -> NarDrafter:
         """Load a Spec-Drafter checkpoint onto the verifier's device and dtype."""
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"--drafter-path {path}: no such file")
-        state = checkpoint_utils.load_checkpoint_to_cpu(path)
+            raise SpecNmtError(f"--drafter-path {path}: no such file")
+        try:
+            state = checkpoint_utils.load_checkpoint_to_cpu(path)
+        except Exception as error:  # truncated, corrupt or not a torch file at all
+            raise SpecNmtError(
+                f"--drafter-path {path} is not a readable fairseq checkpoint "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+            ) from error
         arch = _checkpoint_arch(state)
         if arch is None or not arch.startswith("spec_drafter"):
-            raise ValueError(
+            raise SpecNmtError(
                 f"--drafter-path {path} is not a Spec-Drafter checkpoint (arch {arch}); train "
                 "one with --task spec_translation --arch spec_drafter_small (or spec_drafter_base)"
             )
@@ -225,10 +238,10 @@ def _beam_given_on_command_line() -> bool:
 def _check_generation_args(args, n_models: int) -> None:
     """Reject generation flags that speculative decoding cannot honour, one line each."""
     if n_models != 1:
-        raise ValueError("speculative decoding takes exactly one verifier in --path")
+        raise SpecNmtError("speculative decoding takes exactly one verifier in --path")
     # fairseq's default --beam is 5; only an explicit --beam other than 1 is a user's request.
     if getattr(args, "beam", 1) != 1 and _beam_given_on_command_line():
-        raise ValueError(
+        raise SpecNmtError(
             f"--beam {args.beam} cannot be combined with --drafter-path: speculative decoding "
             "verifies greedy decoding (drop --beam or use --beam 1)"
         )
@@ -244,9 +257,12 @@ def _check_generation_args(args, n_models: int) -> None:
         "print_alignment": (None, "--print-alignment is not supported with --drafter-path"),
         "score_reference": (False, "--score-reference is not supported with --drafter-path"),
         "lm_path": (None, "--lm-path is not supported with --drafter-path"),
-        "retain_iter_history": (False, "--retain-iter-history is not supported with --drafter-path"),
+        "retain_iter_history": (
+            False,
+            "--retain-iter-history is not supported with --drafter-path",
+        ),
     }
     for name, (default, message) in unsupported.items():
         value = getattr(args, name, default)
         if value not in (default, None):
-            raise ValueError(message)
+            raise SpecNmtError(message)

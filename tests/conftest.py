@@ -1,0 +1,97 @@
+"""Shared fixtures: a toy corpus, a verifier trained with stock fairseq and Spec-Drafters trained
+through the plugin, all made once per test session with the real command-line tools."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.toy_corpus import write_corpus
+
+REPO = Path(__file__).resolve().parent.parent
+USER_DIR = str(REPO / "spec_nmt")
+BIN = Path(sys.executable).parent
+
+TINY_TRANSFORMER = (
+    "--share-all-embeddings --encoder-layers 2 --decoder-layers 2 "
+    "--encoder-embed-dim 64 --decoder-embed-dim 64 --encoder-ffn-embed-dim 128 "
+    "--decoder-ffn-embed-dim 128 --encoder-attention-heads 4 --decoder-attention-heads 4"
+).split()
+TINY_DRAFTER = (
+    "--arch spec_drafter --share-all-embeddings --encoder-layers 2 --decoder-layers 1 "
+    "--encoder-embed-dim 64 --decoder-embed-dim 64 --encoder-ffn-embed-dim 128 "
+    "--decoder-ffn-embed-dim 128 --encoder-attention-heads 4 --decoder-attention-heads 4"
+).split()
+OPTIMIZATION = (
+    "--optimizer adam --lr 0.003 --lr-scheduler inverse_sqrt --warmup-updates 50 "
+    "--max-tokens 2000 --dropout 0.0 --no-epoch-checkpoints --log-format simple "
+    "--log-interval 25 --cpu --seed 1 --num-workers 0"
+).split()
+BLOCK_SIZE = 5
+
+
+def fairseq(tool, *args, input_text=None, check=True):
+    """Run a fairseq console script of this environment; returns the CompletedProcess."""
+    result = subprocess.run(
+        [str(BIN / f"fairseq-{tool}"), *map(str, args)],
+        input=input_text,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"fairseq-{tool} {' '.join(map(str, args))} exited with {result.returncode}:\n"
+            f"{result.stderr[-4000:]}"
+        )
+    return result
+
+
+def preprocess(raw_dir, dest_dir):
+    fairseq(
+        "preprocess", "--source-lang", "de", "--target-lang", "en",
+        "--trainpref", raw_dir / "train", "--validpref", raw_dir / "valid",
+        "--testpref", raw_dir / "test", "--destdir", dest_dir,
+        "--joined-dictionary", "--workers", "1",
+    )  # fmt: skip
+    return dest_dir
+
+
+def train_drafter(data_bin, save_dir, max_update, *extra):
+    return fairseq(
+        "train", data_bin, "--user-dir", USER_DIR, "--task", "spec_translation",
+        "--block-size", BLOCK_SIZE, "--criterion", "spec_drafter_loss",
+        *TINY_DRAFTER, *OPTIMIZATION, "--max-update", max_update, "--save-dir", save_dir, *extra,
+    )  # fmt: skip
+
+
+def train_losses(log):
+    return [float(x) for x in re.findall(r"train_inner .* loss=([0-9.]+)", log)]
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory):
+    """Paths of the toy data-bin, the verifier, a trained and an untrained drafter."""
+    root = tmp_path_factory.mktemp("toy")
+    raw = write_corpus(root / "raw")
+    data_bin = preprocess(raw, root / "bin")
+    fairseq(
+        "train", data_bin, "--user-dir", USER_DIR, "--task", "translation", "--arch",
+        "transformer", *TINY_TRANSFORMER, *OPTIMIZATION, "--max-update", 300,
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", 0.1,
+        "--save-dir", root / "verifier",
+    )  # fmt: skip
+    drafter_log = train_drafter(data_bin, root / "drafter", 300)
+    train_drafter(data_bin, root / "untrained_drafter", 1)
+    return {
+        "root": root,
+        "raw": raw,
+        "bin": data_bin,
+        "verifier": root / "verifier" / "checkpoint_last.pt",
+        "drafter": root / "drafter" / "checkpoint_last.pt",
+        "drafter_dir": root / "drafter",
+        "drafter_log": drafter_log.stdout + drafter_log.stderr,
+        "untrained_drafter": root / "untrained_drafter" / "checkpoint_last.pt",
+    }

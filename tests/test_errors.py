@@ -1,0 +1,112 @@
+"""Bad flags, files and input lines: one clear line each, and nothing else lost."""
+
+import shutil
+
+import pytest
+
+from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq, preprocess, train_drafter
+from tests.test_lossless import hypotheses
+
+COMMON = ["--user-dir", USER_DIR, "--max-len-b", 40, "--cpu"]
+
+
+def interactive(toy, *flags, drafter=None, input_text="s1 s2 s3\n"):
+    drafter = toy["drafter"] if drafter is None else drafter
+    return fairseq(
+        "interactive", toy["bin"], "--task", "spec_translation", "--path", toy["verifier"],
+        "--drafter-path", drafter, "--block-size", BLOCK_SIZE, *flags, *COMMON,
+        input_text=input_text, check=False,
+    )  # fmt: skip
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("spec_nmt error: "), result.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--block-size", 0], "--block-size must be >= 1"),
+        (["--beta", 0], "--beta must be an integer >= 1"),
+        (["--tau", -0.5], "--tau must be >= 0"),
+        (["--beam", 5], "--beam 5 cannot be combined with --drafter-path"),
+        (["--nbest", 2], "--nbest must be 1"),
+        (["--sampling", "--beam", 1], "--sampling is not available"),
+        (["--prefix-size", 2], "--prefix-size is not supported"),
+    ],
+)
+def test_invalid_flags(toy, flags, message):
+    assert_one_line_error(interactive(toy, *flags), message)
+
+
+def test_explicit_beam_one_is_fine(toy):
+    result = interactive(toy, "--beam", 1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(hypotheses(result.stdout)) == 1
+
+
+def test_missing_drafter_file(toy, tmp_path):
+    missing = tmp_path / "nowhere.pt"
+    assert_one_line_error(interactive(toy, drafter=missing), str(missing), "no such file")
+
+
+def test_verifier_checkpoint_given_as_drafter(toy):
+    result = interactive(toy, drafter=toy["verifier"])
+    assert_one_line_error(result, "is not a Spec-Drafter checkpoint", "spec_drafter_small")
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint at all", "truncated"])
+def test_unreadable_drafter_checkpoint(toy, tmp_path, content):
+    broken = tmp_path / "broken.pt"
+    if content == "truncated":
+        data = toy["drafter"].read_bytes()
+        content = data[: len(data) // 2]
+    broken.write_bytes(content)
+    assert_one_line_error(
+        interactive(toy, drafter=broken), str(broken), "not a readable fairseq checkpoint"
+    )
+
+
+def test_drafter_trained_with_another_dictionary(toy, tmp_path):
+    other_raw = tmp_path / "raw"
+    shutil.copytree(toy["raw"], other_raw)
+    with open(other_raw / "train.en", "a") as extra:
+        extra.write("brandnew words only here\n")
+    with open(other_raw / "train.de", "a") as extra:
+        extra.write("ganz neue wörter\n")
+    other_bin = preprocess(other_raw, tmp_path / "bin")
+    train_drafter(other_bin, tmp_path / "drafter", 1)
+    result = interactive(toy, drafter=tmp_path / "drafter" / "checkpoint_last.pt")
+    assert_one_line_error(result, "different dictionary", str(toy["bin"]))
+
+
+def test_training_a_non_drafter_with_the_task(toy, tmp_path):
+    result = fairseq(
+        "train", toy["bin"], "--user-dir", USER_DIR, "--task", "spec_translation",
+        "--arch", "transformer", "--criterion", "spec_drafter_loss", "--optimizer", "adam",
+        "--max-update", 1, "--max-tokens", 1000, "--cpu", "--save-dir", tmp_path, check=False,
+    )  # fmt: skip
+    assert_one_line_error(result, "train the verifier with --task translation")
+
+
+def test_every_input_line_gets_one_output_in_order(toy):
+    overlong = " ".join(f"s{i % 40}" for i in range(1100))  # more tokens than max positions
+    lines = ["s1 s2 s3", "", "   ", overlong, "foo bar ünknown €", "s7 s8", "\t"]
+    result = interactive(
+        toy, "--batch-size", 3, "--buffer-size", 3, input_text="\n".join(lines) + "\n"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = hypotheses(result.stdout)
+    assert sorted(found) == list(range(len(lines)))
+    order = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line[:2] == "H-"]
+    assert order == sorted(order)
+    for empty in (1, 2, 6):
+        assert found[empty] == ""
+    for translated in (0, 3, 4, 5):
+        assert found[translated] != ""
+    assert "longer than the models accept" in result.stderr

@@ -1,0 +1,166 @@
+"""The lossless property: --beta 1 --tau 0 output is token-identical to stock greedy decoding,
+through fairseq-generate (batch 1 and 16), fairseq-interactive and the generator in-process, for
+an untrained drafter, a trained one and an oracle drafter that proposes the greedy answer."""
+
+import re
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+from fairseq.sequence_generator import SequenceGenerator
+
+from spec_nmt.decoding.generator import SpeculativeGenerator
+from spec_nmt.decoding.verifier import TransformerVerifier
+from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
+from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq
+
+MAX_LEN_B = 40
+COMMON = ["--user-dir", USER_DIR, "--max-len-b", MAX_LEN_B, "--cpu"]
+TEST_LINES = 60
+
+
+def hypotheses(output):
+    """{sentence id: hypothesis tokens} from H- lines."""
+    found = {}
+    for line in output.splitlines():
+        if line.startswith("H-"):
+            sentence_id, _score, *text = line.split("\t")
+            found[int(sentence_id[2:])] = text[0] if text else ""
+    return found
+
+
+def mean_accepted(output):
+    match = re.search(r"mean accepted tokens per iteration ([0-9.]+)", output)
+    assert match, "no speculative decoding summary line"
+    return float(match.group(1))
+
+
+def generate(toy, batch_size, drafter=None):
+    batching = ["--batch-size", batch_size, "--required-batch-size-multiple", 1]
+    if drafter is None:
+        task = ["--task", "translation", "--beam", 1]
+    else:
+        task = ["--task", "spec_translation", "--drafter-path", toy[drafter]]
+        task += ["--block-size", BLOCK_SIZE, "--beta", 1, "--tau", 0]
+    result = fairseq("generate", toy["bin"], "--path", toy["verifier"], *task, *batching, *COMMON)
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def stock_greedy(toy):
+    return {batch: hypotheses(generate(toy, batch)) for batch in (1, 16)}
+
+
+@pytest.mark.parametrize("batch_size", [1, 16])
+@pytest.mark.parametrize("drafter", ["drafter", "untrained_drafter"])
+def test_generate_is_identical_to_stock_greedy(toy, stock_greedy, drafter, batch_size):
+    output = generate(toy, batch_size, drafter)
+    assert len(stock_greedy[batch_size]) == TEST_LINES
+    assert hypotheses(output) == stock_greedy[batch_size]
+    accepted = mean_accepted(output)
+    if drafter == "drafter":
+        assert accepted > 0.3  # a trained drafter gets drafts accepted
+    print(f"{drafter} batch {batch_size}: mean accepted tokens per iteration {accepted}")
+
+
+def test_interactive_is_identical_to_stock_greedy(toy):
+    lines = (toy["raw"] / "test.de").read_text()
+    batching = ["--batch-size", 4, "--buffer-size", 8]
+    stock = fairseq(
+        "interactive", toy["bin"], "--task", "translation", "--path", toy["verifier"],
+        "--beam", 1, *batching, *COMMON, input_text=lines,
+    )  # fmt: skip
+    spec = fairseq(
+        "interactive", toy["bin"], "--task", "spec_translation", "--path", toy["verifier"],
+        "--drafter-path", toy["drafter"], "--block-size", BLOCK_SIZE, *batching, *COMMON,
+        input_text=lines,
+    )  # fmt: skip
+    expected = hypotheses(stock.stdout)
+    assert len(expected) == TEST_LINES
+    assert hypotheses(spec.stdout) == expected
+    assert mean_accepted(spec.stderr + spec.stdout) > 0.3
+
+
+class OracleDrafter:
+    """Proposes the verifier's greedy continuation: every draft should be accepted."""
+
+    def __init__(self, greedy_tokens, eos):
+        self.greedy = greedy_tokens  # [B, T] greedy output per sentence, EOS-padded
+        self.eos = eos
+
+    def max_positions(self):
+        return 1024
+
+    def start(self, net_input):
+        return torch.arange(self.greedy.size(0))
+
+    def propose(self, rows, tokens, lengths, k):
+        padded = torch.cat([self.greedy, self.greedy.new_full((self.greedy.size(0), k), self.eos)], 1)
+        index = lengths.unsqueeze(1) + torch.arange(k)
+        return padded[rows].gather(1, index)
+
+    def select_rows(self, rows, keep):
+        return rows[keep]
+
+
+@pytest.fixture(scope="module")
+def in_process(toy):
+    cfg = SpecTranslationConfig(
+        data=str(toy["bin"]), source_lang="de", target_lang="en", block_size=BLOCK_SIZE,
+        dataset_impl="mmap", required_seq_len_multiple=1,
+    )  # fmt: skip
+    task = SpecTranslationTask.setup_task(cfg)
+    task.load_dataset("test")
+    models, _ = checkpoint_utils.load_model_ensemble([str(toy["verifier"])], task=task)
+    models[0].eval()
+    batches = task.get_batch_iterator(
+        task.dataset("test"), max_sentences=16, max_positions=(1024, 1024)
+    ).next_epoch_itr(shuffle=False)
+    return task, models, list(batches)
+
+
+@torch.no_grad()
+def test_oracle_drafter_gets_whole_blocks_accepted(in_process):
+    task, models, batches = in_process
+    tgt_dict = task.target_dictionary
+    stock = SequenceGenerator(models, tgt_dict, beam_size=1, max_len_b=MAX_LEN_B)
+    for sample in batches:
+        greedy = [hypos[0]["tokens"] for hypos in stock.generate(models, sample)]
+        greedy_padded = torch.nn.utils.rnn.pad_sequence(
+            greedy, batch_first=True, padding_value=tgt_dict.eos()
+        )
+        speculative = SpeculativeGenerator(
+            TransformerVerifier(models[0]),
+            OracleDrafter(greedy_padded, tgt_dict.eos()),
+            tgt_dict,
+            block_size=BLOCK_SIZE,
+            max_len_b=MAX_LEN_B,
+        )
+        result = speculative.generate(models, sample)
+        for expected, hypos in zip(greedy, result):
+            assert hypos[0]["tokens"].tolist() == expected.tolist()
+            # each iteration emits k accepted drafts + the bonus token, or ends at the EOS
+            assert hypos[0]["spec_iterations"] == -(-len(expected) // (BLOCK_SIZE + 1))
+
+
+@torch.no_grad()
+def test_batch_composition_does_not_change_translations(in_process, toy):
+    """Mixed batches against one sentence at a time, through the task-built generator."""
+    task, models, batches = in_process
+    task.cfg.drafter_path = str(toy["drafter"])
+    try:
+        generator = task.build_generator(models, SpecTranslationConfig())
+    finally:
+        task.cfg.drafter_path = None
+    sample = batches[0]
+    together = [h[0]["tokens"].tolist() for h in generator.generate(models, sample)]
+    for row in range(sample["id"].numel()):
+        net_input = sample["net_input"]
+        one = {"net_input": {k: v[row : row + 1] for k, v in net_input.items()}}
+        src = one["net_input"]["src_tokens"]
+        keep = src.ne(task.source_dictionary.pad()).squeeze(0)
+        one["net_input"]["src_tokens"] = src[:, keep]
+        one["net_input"]["src_lengths"] = keep.sum().view(1)
+        one["net_input"]["prev_output_tokens"] = net_input["prev_output_tokens"][row : row + 1]
+        alone = generator.generate(models, one)[0][0]["tokens"].tolist()
+        assert alone == together[row], f"sentence {int(sample['id'][row])}"

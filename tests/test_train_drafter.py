@@ -1,0 +1,58 @@
+"""Training the Spec-Drafter with fairseq-train: the block batches, falling loss, resuming."""
+
+import re
+import shutil
+
+import torch
+from fairseq.data import Dictionary
+
+from spec_nmt.models.spec_drafter import MASK_SYMBOL
+from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
+from tests.conftest import train_drafter, train_losses
+
+
+def test_drafter_batches_are_prefix_plus_masks_with_next_k_labels():
+    dictionary = Dictionary()
+    for i in range(20):
+        dictionary.add_symbol(f"w{i}")
+    k = 3
+    task = SpecTranslationTask(SpecTranslationConfig(block_size=k), dictionary, dictionary)
+    pad, eos = dictionary.pad(), dictionary.eos()
+    mask = task.drafter_dictionaries()[1].index(MASK_SYMBOL)
+    assert mask == len(dictionary)  # appended: every other index is unchanged
+    target = torch.tensor([[5, 6, 7, 8, 9, eos], [10, 11, eos, pad, pad, pad]])
+    sample = {"id": torch.tensor([0, 1]), "target": target, "net_input": {}}
+    cuts_seen = [set(), set()]
+    for seed in range(200):
+        out = task.drafter_sample(sample, torch.Generator().manual_seed(seed))
+        for row in range(2):
+            decoder_input = out["net_input"]["prev_output_tokens"][row].tolist()
+            cut = decoder_input.index(mask) - 1
+            cuts_seen[row].add(cut)
+            real = [t for t in target[row].tolist() if t != pad]
+            expected_input = [eos] + real[:cut] + [mask] * k
+            assert decoder_input[: len(expected_input)] == expected_input
+            assert set(decoder_input[len(expected_input) :]) <= {pad}
+            labels = real[cut : cut + k]
+            assert out["target"][row].tolist() == labels + [pad] * (k - len(labels))
+        assert out["ntokens"] == int(out["target"].ne(pad).sum())
+    assert cuts_seen == [set(range(6)), set(range(3))]  # every cut point, EOS block included
+
+
+def test_drafter_loss_falls_and_reports_block_accuracy(toy):
+    losses = train_losses(toy["drafter_log"])
+    assert len(losses) >= 10
+    assert losses[-1] < 0.75 * losses[0], losses
+    valid_lines = [line for line in toy["drafter_log"].splitlines() if "| valid on" in line]
+    for metric in ("acc", "lead", "first1", "first5"):
+        assert f"| {metric} " in valid_lines[-1]
+
+
+def test_training_resumes_from_checkpoint_last(toy, tmp_path):
+    save_dir = tmp_path / "drafter"
+    shutil.copytree(toy["drafter_dir"], save_dir)
+    log = train_drafter(toy["bin"], save_dir, 350)
+    output = log.stdout + log.stderr
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 300 updates\)", output)
+    assert "num_updates 350" in output
+    assert len(train_losses(output)) >= 1

@@ -1,0 +1,123 @@
+"""Block scoring and cache rollback of the verifier adapter against full recomputation."""
+
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fairseq.data import Dictionary
+from fairseq.models.transformer import TransformerModel, base_architecture
+
+from spec_nmt.decoding.verifier import TransformerVerifier
+
+VOCAB = 24
+
+
+def tiny_transformer(learned_positions=False, seed=0):
+    dictionary = Dictionary()
+    for i in range(VOCAB):
+        dictionary.add_symbol(f"w{i}")
+    args = Namespace(
+        encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
+        encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
+        decoder_attention_heads=4, share_all_embeddings=True, dropout=0.0,
+        max_source_positions=64, max_target_positions=64,
+        decoder_learned_pos=learned_positions, encoder_learned_pos=learned_positions,
+    )  # fmt: skip
+    base_architecture(args)
+    torch.manual_seed(seed)
+    dictionaries = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    return TransformerModel.build_model(args, dictionaries).eval(), dictionary
+
+
+def random_tokens(dictionary, *shape):
+    return torch.randint(dictionary.nspecial, len(dictionary), shape)
+
+
+def full_forward_logprobs(model, net_input, decoder_input):
+    """Reference: the stock decoder over the whole sequence, no cache."""
+    encoder_out = model.encoder.forward_torchscript(net_input)
+    out = model.decoder(decoder_input, encoder_out=encoder_out)
+    return model.get_normalized_probs(out, log_probs=True)
+
+
+def source_batch(dictionary, batch, length=7):
+    src = random_tokens(dictionary, batch, length)
+    src[:, -1] = dictionary.eos()
+    src[0, :2] = dictionary.pad()  # left padding, as fairseq batches sources
+    lengths = src.ne(dictionary.pad()).sum(1)
+    return {"src_tokens": src, "src_lengths": lengths}
+
+
+@pytest.mark.parametrize("learned_positions", [False, True])
+@torch.no_grad()
+def test_blocks_and_rollbacks_match_full_recomputation(learned_positions):
+    model, dictionary = tiny_transformer(learned_positions)
+    verifier = TransformerVerifier(model)
+    net_input = source_batch(dictionary, 3)
+    state = verifier.start(net_input)
+    kept = torch.full((3, 1), dictionary.eos())  # what each row has fed so far, incl. the block
+    kept = [kept[i] for i in range(3)]
+    # per iteration: block width and how many block entries each row keeps (different per row,
+    # so the cache gets holes and must be compacted)
+    schedule = [(4, [2, 4, 1]), (3, [1, 3, 3]), (5, [5, 1, 2]), (2, [2, 2, 2])]
+    for width, keep in schedule:
+        pending = torch.stack([row[-1] for row in kept])
+        block = torch.cat([pending.unsqueeze(1), random_tokens(dictionary, 3, width - 1)], 1)
+        scores = verifier.score_block(state, block)
+        for b in range(3):
+            sequence = torch.cat([kept[b][:-1], block[b]]).unsqueeze(0)
+            row_input = {k: v[b : b + 1] for k, v in net_input.items()}
+            reference = full_forward_logprobs(model, row_input, sequence)[0, -width:]
+            torch.testing.assert_close(scores[b], reference, atol=2e-5, rtol=1e-5)
+        verifier.commit(state, torch.tensor(keep))
+        # keep[b] block entries stay in the cache; the next pending token is any new token
+        kept = [
+            torch.cat([kept[b][:-1], block[b, : keep[b]], random_tokens(dictionary, 1)])
+            for b in range(3)
+        ]
+        assert state.fed_lengths.tolist() == [len(row) - 1 for row in kept]
+
+
+@torch.no_grad()
+def test_dropping_rows_keeps_the_others_exact():
+    model, dictionary = tiny_transformer()
+    verifier = TransformerVerifier(model)
+    net_input = source_batch(dictionary, 3)
+    state = verifier.start(net_input)
+    block = torch.cat([torch.full((3, 1), dictionary.eos()), random_tokens(dictionary, 3, 3)], 1)
+    verifier.score_block(state, block)
+    verifier.commit(state, torch.tensor([3, 1, 2]))
+    rows = torch.tensor([0, 2])
+    verifier.select_rows(state, rows)
+    next_block = random_tokens(dictionary, 2, 2)
+    scores = verifier.score_block(state, next_block)
+    for i, b in enumerate(rows.tolist()):
+        keep = [3, 1, 2][b]
+        sequence = torch.cat([block[b, :keep], next_block[i]]).unsqueeze(0)
+        row_input = {k: v[b : b + 1] for k, v in net_input.items()}
+        reference = full_forward_logprobs(model, row_input, sequence)[0, -2:]
+        torch.testing.assert_close(scores[i], reference, atol=2e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_rollback_never_touches_encoder_attention_state():
+    model, dictionary = tiny_transformer()
+    verifier = TransformerVerifier(model)
+    state = verifier.start(source_batch(dictionary, 2))
+    block = torch.cat([torch.full((2, 1), dictionary.eos()), random_tokens(dictionary, 2, 4)], 1)
+    verifier.score_block(state, block)
+
+    def encoder_attention_keys():
+        return [
+            layer.encoder_attn._get_input_buffer(state.incremental_state)["prev_key"].clone()
+            for layer in model.decoder.layers
+        ]
+
+    before = encoder_attention_keys()
+    verifier.commit(state, torch.tensor([1, 3]))
+    for old, new in zip(before, encoder_attention_keys()):
+        assert torch.equal(old, new)
+    self_keys = model.decoder.layers[0].self_attn._get_input_buffer(state.incremental_state)
+    assert self_keys["prev_key"].size(2) == 3  # longest row kept 3 entries
+    assert self_keys["prev_key_padding_mask"].tolist() == [[False, True, True], [False] * 3]
