@@ -27,8 +27,10 @@ TINY_DRAFTER = (
 OPTIMIZATION = (
     "--optimizer adam --lr 0.003 --lr-scheduler inverse_sqrt --warmup-updates 50 "
     "--max-tokens 2000 --dropout 0.0 --no-epoch-checkpoints --log-format simple "
-    "--log-interval 25 --cpu --seed 1 --num-workers 0"
+    "--log-interval 25 --cpu --seed 1 --num-workers 0 --data-buffer-size 0"
 ).split()
+# --data-buffer-size 0: fairseq's batch prefetch thread can still be running torch code when a
+# short training run exits, which once aborted the process ("terminate called ...").
 BLOCK_SIZE = 5
 
 
@@ -37,6 +39,7 @@ def fairseq(tool, *args, input_text=None, check=True):
     result = subprocess.run(
         [str(BIN / f"fairseq-{tool}"), *map(str, args)],
         input=input_text,
+        stdin=None if input_text is not None else subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=600,
