@@ -106,59 +106,54 @@ class SpeculativeGenerator:
         finalized: List[List[Dict]] = [[] for _ in range(bsz)]
 
         verifier_state = self.verifier.start(net_input)
-        drafter_state = self.drafter.start(net_input)
+        drafter_state = {"encoder_out": self.drafter.start(net_input)}
         # Empty source lines get an empty translation without running the decoder.
         has_source = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).any(dim=1)
         tokens[~has_source, 1] = self.eos
         lengths[~has_source] = 1
-        rows = has_source.nonzero().squeeze(1)  # original batch index of each active row
         for row in (~has_source).nonzero().squeeze(1).tolist():
             finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
+        rows = has_source.nonzero().squeeze(1)  # original batch index of each active row
         if rows.numel() < bsz:
-            verifier_state, drafter_state = self._select(verifier_state, drafter_state, rows)
+            self._select(verifier_state, drafter_state, rows)
 
         while rows.numel() > 0:
-            row_tokens, row_lengths = tokens[rows], lengths[rows]
+            row_lengths = lengths[rows]
             # The drafter cannot look past its own position limit: shrink the block near it.
             block = max(0, min(k, self.drafter.max_positions() - 1 - int(row_lengths.max())))
-            drafts = self.drafter.propose(drafter_state, row_tokens, row_lengths, block)  # 1.
-            pending = row_tokens.gather(1, row_lengths.unsqueeze(1))
+            # 1. draft
+            drafts = self.drafter.propose(
+                drafter_state["encoder_out"], tokens[rows], row_lengths, block
+            )
+            # 2. score [pending token, drafts] in one verifier pass
+            pending = tokens[rows].gather(1, row_lengths.unsqueeze(1))
             logprobs = self.verifier.score_block(verifier_state, torch.cat([pending, drafts], 1))
-            logprobs = self._search_constraints(logprobs, row_lengths, max_len)  # 2.
-            n_accepted, next_tokens = accept_top_beta(  # 3.
+            logprobs = self._search_constraints(logprobs, row_lengths, max_len)
+            # 3. accept
+            n_accepted, next_tokens = accept_top_beta(
                 drafts, logprobs, self.beta, self.tau, self.eos
             )
-            emitted, n_emitted = _emitted_tokens(drafts, n_accepted, next_tokens, self.eos)
+            emitted, n_emitted, ended = _emitted_tokens(drafts, n_accepted, next_tokens, self.eos)
+            # 4. commit: append, roll the verifier back, let finished sentences leave
+            slots = row_lengths.unsqueeze(1) + 1 + torch.arange(block + 1, device=rows.device)
+            tokens[rows] = tokens[rows].scatter(1, slots, emitted)
             emitted_scores = logprobs.gather(2, emitted.unsqueeze(2)).squeeze(2)
-
-            write_at = row_lengths.unsqueeze(1) + 1 + torch.arange(block + 1, device=rows.device)
-            row_tokens.scatter_(1, write_at, emitted)  # 4.
-            tokens[rows] = row_tokens
-            token_scores[rows] = token_scores[rows].scatter(1, write_at - 1, emitted_scores)
-            lengths[rows] = row_lengths + n_emitted
+            token_scores[rows] = token_scores[rows].scatter(1, slots - 1, emitted_scores)
+            lengths[rows] += n_emitted
             iterations[rows] += 1
             accepted[rows] += n_accepted
             self.verifier.commit(verifier_state, n_accepted + 1)
             self.stats.batched_verifier_calls += 1
             self.stats.drafted_tokens += block * rows.numel()
-
-            ended = emitted.eq(self.eos) & (
-                torch.arange(block + 1, device=rows.device) < n_emitted.unsqueeze(1)
-            )
-            ended = ended.any(dim=1)
             for row in rows[ended].tolist():
-                finalized[row].append(
-                    self._hypothesis(tokens[row], token_scores[row], lengths[row])
-                )
-                finalized[row][0]["spec_iterations"] = int(iterations[row])
-                finalized[row][0]["spec_accepted_tokens"] = int(accepted[row])
+                hypothesis = self._hypothesis(tokens[row], token_scores[row], lengths[row])
+                hypothesis["spec_iterations"] = int(iterations[row])
+                hypothesis["spec_accepted_tokens"] = int(accepted[row])
+                finalized[row].append(hypothesis)
             if ended.any():
                 keep = (~ended).nonzero().squeeze(1)
                 rows = rows[keep]
-                if rows.numel() > 0:
-                    verifier_state, drafter_state = self._select(
-                        verifier_state, drafter_state, keep
-                    )
+                self._select(verifier_state, drafter_state, keep)
 
         self.stats.sentences += bsz
         self.stats.iterations += int(iterations.sum())
@@ -166,9 +161,9 @@ class SpeculativeGenerator:
         self.stats.output_tokens += int(lengths.sum())
         return finalized
 
-    def _select(self, verifier_state, drafter_state, keep: Tensor):
+    def _select(self, verifier_state, drafter_state: Dict, keep: Tensor) -> None:
         self.verifier.select_rows(verifier_state, keep)
-        return verifier_state, self.drafter.select_rows(drafter_state, keep)
+        drafter_state["encoder_out"] = self.drafter.select_rows(drafter_state["encoder_out"], keep)
 
     def _search_constraints(self, logprobs: Tensor, lengths: Tensor, max_len: int) -> Tensor:
         """The adjustments SequenceGenerator makes to every step's log-probs, for every block
@@ -204,11 +199,13 @@ class SpeculativeGenerator:
 
 
 def _emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos: int):
-    """Tokens [B, k+1] an iteration appends (accepted drafts, then the correction/bonus token
-    unless an accepted EOS ended the sentence) and how many of them count [B]."""
+    """What an iteration appends to each row: tokens [B, k+1] (the accepted drafts, then the
+    correction/bonus token unless an accepted EOS ended the sentence), how many of them count
+    [B], and whether the row is finished [B]."""
     k = drafts.size(1)
     emitted = torch.cat([drafts, drafts.new_zeros(drafts.size(0), 1)], dim=1)
     emitted.scatter_(1, n_accepted.unsqueeze(1), next_tokens.unsqueeze(1))
     accepted_mask = torch.arange(k, device=drafts.device) < n_accepted.unsqueeze(1)
     eos_accepted = (drafts.eq(eos) & accepted_mask).any(dim=1)
-    return emitted, n_accepted + (~eos_accepted).long()
+    ended = eos_accepted | next_tokens.eq(eos)
+    return emitted, n_accepted + (~eos_accepted).long(), ended
