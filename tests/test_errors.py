@@ -103,7 +103,9 @@ def test_every_input_line_gets_one_output_in_order(toy):
     assert result.returncode == 0, result.stderr[-3000:]
     found = hypotheses(result.stdout)
     assert sorted(found) == list(range(len(lines)))
-    order = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line[:2] == "H-"]
+    order = [
+        int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line[:2] == "H-"
+    ]
     assert order == sorted(order)
     for empty in (1, 2, 6):
         assert found[empty] == ""

@@ -95,7 +95,9 @@ class OracleDrafter:
         return torch.arange(self.greedy.size(0))
 
     def propose(self, rows, tokens, lengths, k):
-        padded = torch.cat([self.greedy, self.greedy.new_full((self.greedy.size(0), k), self.eos)], 1)
+        padded = torch.cat(
+            [self.greedy, self.greedy.new_full((self.greedy.size(0), k), self.eos)], 1
+        )
         index = lengths.unsqueeze(1) + torch.arange(k)
         return padded[rows].gather(1, index)
 

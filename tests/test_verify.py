@@ -102,9 +102,10 @@ def test_forbidden_tokens_are_never_accepted_even_in_top_beta():
     assert run([5], table, beta=V, tau=1e9) == (0, 4)
 
 
-def test_shape_mismatch_is_reported():
-    with pytest.raises(SpecNmtError, match=r"\[B, k\+1, V\]"):
+def test_shape_mismatch_is_a_programming_error_with_traceback():
+    with pytest.raises(ValueError, match=r"\[B, k\+1, V\]") as raised:
         accept_top_beta(torch.tensor([[1, 2]]), torch.zeros(1, 2, V), 1, 0.0, EOS)
+    assert not isinstance(raised.value, SpecNmtError)
 
 
 @pytest.mark.parametrize("beta, tau", [(0, 0.0), (-1, 0.0), (1.5, 0.0), (1, -0.1), (1, math.nan)])

@@ -4,6 +4,7 @@ Source words s0..s39 map to fixed target words; every word with index divisible 
 target words, and adjacent pairs (s_i, s_j) with i < j swap order in the target. Sentences are
 3-12 words.
 """
+
 import random
 from pathlib import Path
 

@@ -106,7 +106,7 @@ class SpeculativeGenerator:
         finalized: List[List[Dict]] = [[] for _ in range(bsz)]
 
         verifier_state = self.verifier.start(net_input)
-        drafter_state = {"encoder_out": self.drafter.start(net_input)}
+        drafter_state = self.drafter.start(net_input)
         # Empty source lines get an empty translation without running the decoder.
         has_source = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).any(dim=1)
         tokens[~has_source, 1] = self.eos
@@ -115,18 +115,16 @@ class SpeculativeGenerator:
             finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
         rows = has_source.nonzero().squeeze(1)  # original batch index of each active row
         if rows.numel() < bsz:
-            self._select(verifier_state, drafter_state, rows)
+            drafter_state = self._select(verifier_state, drafter_state, rows)
 
         while rows.numel() > 0:
-            row_lengths = lengths[rows]
+            row_tokens, row_lengths = tokens[rows], lengths[rows]
             # The drafter cannot look past its own position limit: shrink the block near it.
             block = max(0, min(k, self.drafter.max_positions() - 1 - int(row_lengths.max())))
             # 1. draft
-            drafts = self.drafter.propose(
-                drafter_state["encoder_out"], tokens[rows], row_lengths, block
-            )
+            drafts = self.drafter.propose(drafter_state, row_tokens, row_lengths, block)
             # 2. score [pending token, drafts] in one verifier pass
-            pending = tokens[rows].gather(1, row_lengths.unsqueeze(1))
+            pending = row_tokens.gather(1, row_lengths.unsqueeze(1))
             logprobs = self.verifier.score_block(verifier_state, torch.cat([pending, drafts], 1))
             logprobs = self._search_constraints(logprobs, row_lengths, max_len)
             # 3. accept
@@ -136,7 +134,7 @@ class SpeculativeGenerator:
             emitted, n_emitted, ended = _emitted_tokens(drafts, n_accepted, next_tokens, self.eos)
             # 4. commit: append, roll the verifier back, let finished sentences leave
             slots = row_lengths.unsqueeze(1) + 1 + torch.arange(block + 1, device=rows.device)
-            tokens[rows] = tokens[rows].scatter(1, slots, emitted)
+            tokens[rows] = row_tokens.scatter(1, slots, emitted)
             emitted_scores = logprobs.gather(2, emitted.unsqueeze(2)).squeeze(2)
             token_scores[rows] = token_scores[rows].scatter(1, slots - 1, emitted_scores)
             lengths[rows] += n_emitted
@@ -153,7 +151,7 @@ class SpeculativeGenerator:
             if ended.any():
                 keep = (~ended).nonzero().squeeze(1)
                 rows = rows[keep]
-                self._select(verifier_state, drafter_state, keep)
+                drafter_state = self._select(verifier_state, drafter_state, keep)
 
         self.stats.sentences += bsz
         self.stats.iterations += int(iterations.sum())
@@ -161,9 +159,11 @@ class SpeculativeGenerator:
         self.stats.output_tokens += int(lengths.sum())
         return finalized
 
-    def _select(self, verifier_state, drafter_state: Dict, keep: Tensor) -> None:
+    def _select(self, verifier_state, drafter_state, keep: Tensor):
+        """Keep only rows ``keep``: the verifier's state changes in place, the drafter's new state
+        is returned."""
         self.verifier.select_rows(verifier_state, keep)
-        drafter_state["encoder_out"] = self.drafter.select_rows(drafter_state["encoder_out"], keep)
+        return self.drafter.select_rows(drafter_state, keep)
 
     def _search_constraints(self, logprobs: Tensor, lengths: Tensor, max_len: int) -> Tensor:
         """The adjustments SequenceGenerator makes to every step's log-probs, for every block

@@ -42,8 +42,8 @@ def accept_top_beta(
     position ``n_accepted`` (meaningless for rows whose accepted drafts end with EOS).
     """
     batch, k = draft_tokens.shape
-    if verifier_logprobs.shape[:2] != (batch, k + 1):
-        raise SpecNmtError(
+    if verifier_logprobs.shape[:2] != (batch, k + 1):  # a caller's bug, not a user's
+        raise ValueError(
             f"verifier_logprobs must be [B, k+1, V] = [{batch}, {k + 1}, V], "
             f"got {list(verifier_logprobs.shape)}"
         )

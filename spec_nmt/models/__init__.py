@@ -1,3 +1,1 @@
-from spec_nmt.models import (  # noqa: F401  (registers the model and its archs)
-    spec_drafter,
-)
+from spec_nmt.models import spec_drafter  # noqa: F401  (registration)

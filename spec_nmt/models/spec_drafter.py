@@ -34,7 +34,7 @@ class SpecDrafterDecoder(TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens):
         super().__init__(cfg, dictionary, embed_tokens)
         if MASK_SYMBOL not in dictionary.indices:
-            raise SpecNmtError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
+            raise ValueError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
         self.mask_idx = dictionary.index(MASK_SYMBOL)
 
     def forward(self, prev_output_tokens, encoder_out=None, **unused):
@@ -43,7 +43,7 @@ class SpecDrafterDecoder(TransformerDecoderBase):
         is_mask = prev_output_tokens.eq(self.mask_idx)
         block = is_mask.sum(dim=1)
         if block.numel() and not bool(block.eq(block[0]).all()):
-            raise SpecNmtError("every row of a drafter input must hold the same number of masks")
+            raise ValueError("every row of a drafter input must hold the same number of masks")
         features, extra = self.extract_features(
             prev_output_tokens, encoder_out, full_context_alignment=True
         )
