@@ -9,7 +9,11 @@ drafter's ids match the verifier's, which is trained on the unchanged dictionary
 """
 
 import hashlib
+import logging
+import os
 from types import SimpleNamespace
+
+import torch
 
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
@@ -19,6 +23,8 @@ from fairseq.models.transformer import (
 )
 
 from spec_nmt.errors import SpecNmtError
+
+logger = logging.getLogger(__name__)
 
 MASK_SYMBOL = "[MASK]"
 
@@ -65,6 +71,13 @@ class SpecDrafterModel(TransformerModel):
             help="set automatically: hash of the dictionary the drafter was trained with, "
             "checked when it is loaded next to a verifier",
         )
+        parser.add_argument(
+            "--init-from-verifier",
+            default=None,
+            metavar="CHECKPOINT",
+            help="start training from a verifier checkpoint's encoder and token embeddings "
+            "(same encoder shape required); the [MASK] embedding keeps its random init",
+        )
 
     @classmethod
     def build_model(cls, args, task):
@@ -84,6 +97,37 @@ class SpecDrafterModel(TransformerModel):
         args.drafter_dictionary_fingerprint = fingerprint
         dictionaries = SimpleNamespace(source_dictionary=src_dict, target_dictionary=tgt_dict)
         return super().build_model(args, dictionaries)
+
+    def initialize_from_verifier(self, path):
+        """Copy the verifier's encoder and embeddings (SpecDec's drafter initialisation). The
+        drafter's dictionary is the verifier's plus [MASK] at the end, so embedding rows line up."""
+        from fairseq import checkpoint_utils
+
+        if not os.path.isfile(path):
+            raise SpecNmtError(f"--init-from-verifier: {path} does not exist")
+        verifier_state = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
+        own_state = self.state_dict()
+        copied = {}
+        for name, value in verifier_state.items():
+            is_embedding = name.endswith("embed_tokens.weight")
+            if not (name.startswith("encoder.") or is_embedding) or name not in own_state:
+                continue
+            target = own_state[name]
+            rows = value.size(0)
+            if is_embedding and target.size(0) == rows + 1 and target.shape[1:] == value.shape[1:]:
+                copied[name] = torch.cat([value.to(target.dtype), target[rows:]])
+            elif target.shape == value.shape:
+                copied[name] = value.to(target.dtype)
+            else:
+                raise SpecNmtError(
+                    f"--init-from-verifier: {path} has {name} of shape {tuple(value.shape)}, the "
+                    f"drafter needs {tuple(target.shape)}: give the drafter the verifier's encoder "
+                    "shape (--encoder-layers/--encoder-embed-dim/--encoder-ffn-embed-dim)"
+                )
+        if not any(name.startswith("encoder.layers.") for name in copied):
+            raise SpecNmtError(f"--init-from-verifier: {path} holds no Transformer encoder")
+        self.load_state_dict(copied, strict=False)
+        logger.info("initialised %d drafter tensors from the verifier %s", len(copied), path)
 
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):

@@ -87,6 +87,9 @@ class SpecTranslationTask(TranslationTask):
                 "--task spec_translation trains Spec-Drafters (--arch spec_drafter_small, "
                 "spec_drafter_base, ...); train the verifier with --task translation"
             )
+        init_path = getattr(cfg, "init_from_verifier", None)
+        if not from_checkpoint and init_path:
+            model.initialize_from_verifier(init_path)
         return model
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""BLEU and speed of speculative decoding against fairseq's own decoding of the same verifier.
+
+Choose the setting on the validation set (never on test):
+
+    python scripts/benchmark.py sweep MODEL_DIR --src valid.de --ref valid.en \
+        --blocks 5,10,15,25 --betas 1,3,5 --taus 0,1,2,3 --lines 500 --latency-lines 100
+
+then measure it on test:
+
+    python scripts/benchmark.py run MODEL_DIR --src test.de --ref test.en \
+        --lossless-block 10 --block 10 --beta 3 --tau 1 --latency-lines 200 \
+        --json BENCHMARKS.json
+
+MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py).
+Systems: fairseq greedy and beam 5 (stock SequenceGenerator), speculative lossless (beta 1,
+tau 0) and speculative top-beta/tau. BLEU is sacreBLEU on detokenized, cased output of the
+large-batch run. Timing: each batch (or, for latency, each sentence) runs every system in a
+rotating order, so slow phases of a noisy machine hit all systems alike; the first
+--warmup-lines sentences of the latency run are not timed. Ratios are speculative time over
+fairseq time from the same process.
+"""
+
+import argparse
+import itertools
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import sacrebleu
+import sentencepiece as spm
+import torch
+from fairseq import checkpoint_utils
+from fairseq.sequence_generator import SequenceGenerator
+
+import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
+from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
+from spec_nmt.decoding.verifier import TransformerVerifier
+from spec_nmt.errors import SpecNmtError
+
+MAX_LEN_A, MAX_LEN_B = 1.2, 10  # the same output length limit for every system
+
+
+class ModelPair:
+    """The verifier, the drafter, their task and the sentencepiece model of a model directory."""
+
+    def __init__(self, model_dir: Path, source_lang="de", target_lang="en"):
+        for name in ("verifier.pt", "drafter.pt", "spm.model", f"dict.{source_lang}.txt"):
+            if not (model_dir / name).is_file():
+                raise SpecNmtError(f"{model_dir / name} is missing")
+        overrides = {"data": str(model_dir), "source_lang": source_lang, "target_lang": target_lang}
+        (self.verifier,), _ = checkpoint_utils.load_model_ensemble(
+            [str(model_dir / "verifier.pt")], arg_overrides=overrides
+        )
+        self.verifier.eval()
+        _, _, self.task = checkpoint_utils.load_model_ensemble_and_task(
+            [str(model_dir / "drafter.pt")], arg_overrides=overrides
+        )
+        self.drafter = self.task.load_drafter(str(model_dir / "drafter.pt"), self.verifier)
+        self.src_dict, self.tgt_dict = self.task.source_dictionary, self.task.target_dictionary
+        self.spm = spm.SentencePieceProcessor(model_file=str(model_dir / "spm.model"))
+        self.max_source_tokens = min(
+            self.verifier.encoder.max_positions(), self.drafter.model.encoder.max_positions()
+        )
+
+    def fairseq_generator(self, beam: int) -> SequenceGenerator:
+        return SequenceGenerator(
+            [self.verifier], self.tgt_dict, beam_size=beam, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B
+        )
+
+    def speculative_generator(self, block: int, beta: int, tau: float) -> SpeculativeGenerator:
+        return SpeculativeGenerator(
+            TransformerVerifier(self.verifier), self.drafter, self.tgt_dict, block_size=block,
+            beta=beta, tau=tau, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B,
+        )
+
+    def encode(self, lines):
+        tokens = []
+        for line in lines:
+            pieces = " ".join(self.spm.encode(line.strip(), out_type=str))
+            ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=True).long()
+            if ids.numel() > self.max_source_tokens:
+                ids = torch.cat([ids[: self.max_source_tokens - 1], ids[-1:]])
+            tokens.append(ids)
+        return tokens
+
+    def decode(self, token_ids) -> str:
+        return self.spm.decode_pieces(self.tgt_dict.string(token_ids).split())
+
+
+def make_batches(pair, tokens, batch_size):
+    """Batches of similar source length (like fairseq's), each a list of line indices + sample."""
+    dataset = pair.task.build_dataset_for_inference(tokens, [t.numel() for t in tokens])
+    order = sorted(range(len(tokens)), key=lambda i: tokens[i].numel())
+    for start in range(0, len(order), batch_size):
+        indices = order[start:start + batch_size]
+        yield indices, dataset.collater([dataset[i] for i in indices])
+
+
+def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
+    """Run every system on every batch, rotating the order per batch. Returns per system:
+    outputs (token tensors by line), seconds in total, and speculative statistics."""
+    results = {name: {"tokens": [None] * len(tokens), "seconds": 0.0} for name in systems}
+    for name, generator in systems.items():
+        if isinstance(generator, SpeculativeGenerator):
+            generator.stats = DecodingStats()
+    names = list(systems)
+    with torch.inference_mode():
+        for batch_number, (indices, sample) in enumerate(make_batches(pair, tokens, batch_size)):
+            rotation = (batch_number + rotation_offset) % len(names)
+            for name in names[rotation:] + names[:rotation]:
+                start = time.perf_counter()
+                hypos = systems[name].generate([pair.verifier], sample)
+                elapsed = time.perf_counter() - start
+                results[name]["seconds"] += elapsed
+                for row, line in enumerate(indices):
+                    results[name]["tokens"][line] = hypos[row][0]["tokens"].cpu()
+    for name, generator in systems.items():
+        if isinstance(generator, SpeculativeGenerator):
+            stats = generator.stats
+            results[name]["mean_accepted_per_iteration"] = round(stats.mean_accepted_per_iteration, 3)
+            results[name]["verifier_calls_per_sentence"] = round(
+                stats.iterations / max(stats.sentences, 1), 3
+            )
+    return results
+
+
+def bleu(pair, token_lists, refs):
+    hyps = [pair.decode(t) for t in token_lists]
+    metric = sacrebleu.BLEU()
+    score = metric.corpus_score(hyps, [refs])
+    return round(score.score, 2), str(metric.get_signature()), hyps
+
+
+def read_lines(path, limit=None):
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f]
+    return lines[:limit] if limit else lines
+
+
+def environment(args):
+    cpu = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                   if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        pass
+    import fairseq
+
+    return {
+        "device": "cpu",
+        "cpu": cpu,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "fairseq": fairseq.__version__,
+        "python": platform.python_version(),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
+
+
+def timed_runs(pair, systems, tokens, args):
+    """(large-batch results over all lines, batch-1 results over the first --latency-lines)."""
+    decode_all(pair, systems, tokens[: args.warmup_lines], args.batch_size)  # warm-up, untimed
+    batched = decode_all(pair, systems, tokens, args.batch_size)
+    latency_tokens = tokens[: args.latency_lines + args.warmup_lines]
+    single = {name: {"seconds": 0.0} for name in systems}
+    for i, line_tokens in enumerate(latency_tokens):
+        one = decode_all(pair, systems, [line_tokens], 1, rotation_offset=i)
+        if i >= args.warmup_lines:
+            for name in systems:
+                single[name]["seconds"] += one[name]["seconds"]
+    return batched, single, len(latency_tokens) - args.warmup_lines
+
+
+def sweep(args):
+    pair = ModelPair(args.model_dir)
+    src = read_lines(args.src, args.lines)
+    refs = read_lines(args.ref, args.lines)
+    tokens = pair.encode(src)
+    decode_all(pair, {"warm-up": pair.fairseq_generator(1)}, tokens[: args.warmup_lines], 1)
+    baseline = {"fairseq greedy": pair.fairseq_generator(1), "fairseq beam5": pair.fairseq_generator(5)}
+    base = decode_all(pair, baseline, tokens, args.batch_size)
+    rows = []
+    for name in baseline:
+        rows.append({"system": name, "bleu": bleu(pair, base[name]["tokens"], refs)[0]})
+        print(json.dumps(rows[-1]), flush=True)
+    latency_tokens = tokens[: args.latency_lines]
+    greedy_one = pair.fairseq_generator(1)
+    for block, beta, tau in itertools.product(args.blocks, args.betas, args.taus):
+        if beta == 1 and tau != args.taus[0]:
+            continue  # with beta 1 only the best token can pass: tau changes nothing
+        name = f"spec k={block} beta={beta} tau={tau}"
+        spec = pair.speculative_generator(block, beta, tau)
+        out = decode_all(pair, {name: spec}, tokens, args.batch_size)[name]
+        # Batch-1 time relative to fairseq greedy, alternated sentence by sentence.
+        spec_seconds = greedy_seconds = 0.0
+        for i, line_tokens in enumerate(latency_tokens):
+            one = decode_all(pair, {"g": greedy_one, "s": spec}, [line_tokens], 1, rotation_offset=i)
+            greedy_seconds += one["g"]["seconds"]
+            spec_seconds += one["s"]["seconds"]
+        rows.append({
+            "system": name, "block": block, "beta": beta, "tau": tau,
+            "bleu": bleu(pair, out["tokens"], refs)[0],
+            "mean_accepted_per_iteration": out["mean_accepted_per_iteration"],
+            "verifier_calls_per_sentence": out["verifier_calls_per_sentence"],
+            "batch1_speedup_vs_greedy": round(greedy_seconds / spec_seconds, 2),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    result = {"mode": "sweep", "lines": len(src), "latency_lines": len(latency_tokens),
+              "environment": environment(args), "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def run(args):
+    pair = ModelPair(args.model_dir)
+    src = read_lines(args.src, args.lines)
+    refs = read_lines(args.ref, args.lines)
+    tokens = pair.encode(src)
+    lossless = f"spec lossless k={args.lossless_block}"
+    top_beta = f"spec k={args.block} beta={args.beta} tau={args.tau}"
+    systems = {
+        "fairseq greedy": pair.fairseq_generator(1),
+        "fairseq beam5": pair.fairseq_generator(5),
+        lossless: pair.speculative_generator(args.lossless_block, 1, 0.0),
+        top_beta: pair.speculative_generator(args.block, args.beta, args.tau),
+    }
+    batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
+    greedy_tokens = batched["fairseq greedy"]["tokens"]
+    rows = []
+    for name in systems:
+        score, signature, hyps = bleu(pair, batched[name]["tokens"], refs)
+        row = {
+            "system": name, "bleu": score,
+            "batch1_ms_per_sentence": round(1000 * single[name]["seconds"] / latency_lines, 1),
+            "batch1_speedup_vs_greedy": round(single["fairseq greedy"]["seconds"] / single[name]["seconds"], 2),
+            "batch1_speedup_vs_beam5": round(single["fairseq beam5"]["seconds"] / single[name]["seconds"], 2),
+            f"batch{args.batch_size}_sentences_per_s": round(len(src) / batched[name]["seconds"], 1),
+            f"batch{args.batch_size}_speedup_vs_greedy": round(
+                batched["fairseq greedy"]["seconds"] / batched[name]["seconds"], 2),
+            f"batch{args.batch_size}_speedup_vs_beam5": round(
+                batched["fairseq beam5"]["seconds"] / batched[name]["seconds"], 2),
+            "identical_to_greedy": sum(
+                torch.equal(a, b) for a, b in zip(batched[name]["tokens"], greedy_tokens)),
+        }
+        for key in ("mean_accepted_per_iteration", "verifier_calls_per_sentence"):
+            if key in batched[name]:
+                row[key] = batched[name][key]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.output_dir:
+            out = Path(args.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / (name.replace(" ", "_").replace("=", "") + ".en")).write_text("\n".join(hyps) + "\n")
+    result = {
+        "mode": "run", "lines": len(src), "latency_lines": latency_lines,
+        "warmup_lines": args.warmup_lines, "batch_size": args.batch_size,
+        "sacrebleu_signature": signature, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
+        "environment": environment(args), "rows": rows,
+    }
+    print("sacreBLEU signature:", signature)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def comma_list(kind):
+    return lambda text: [kind(x) for x in text.split(",")]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["sweep", "run"])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--src", required=True, help="raw source sentences, one per line")
+    parser.add_argument("--ref", required=True, help="raw reference translations")
+    parser.add_argument("--lines", type=int, default=None, help="use only the first N lines")
+    parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch in the throughput run")
+    parser.add_argument("--latency-lines", type=int, default=100, help="timed batch-1 sentences")
+    parser.add_argument("--warmup-lines", type=int, default=5, help="untimed batch-1 sentences first")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--blocks", type=comma_list(int), default=[5, 10, 25], help="sweep: block sizes k")
+    parser.add_argument("--betas", type=comma_list(int), default=[1, 3, 5], help="sweep: beta values")
+    parser.add_argument("--taus", type=comma_list(float), default=[0.0, 1.0, 2.0], help="sweep: tau values")
+    parser.add_argument("--lossless-block", type=int, default=10, help="run: k of the lossless system")
+    parser.add_argument("--block", type=int, default=10, help="run: k of the top-beta/tau system")
+    parser.add_argument("--beta", type=int, default=3, help="run: beta of the top-beta/tau system")
+    parser.add_argument("--tau", type=float, default=1.0, help="run: tau of the top-beta/tau system")
+    parser.add_argument("--output-dir", default=None, help="run: write each system's translations here")
+    parser.add_argument("--json", default=None, help="write the results as JSON to this file")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    (sweep if args.mode == "sweep" else run)(args)
+
+
+if __name__ == "__main__":
+    main()
