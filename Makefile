@@ -1,5 +1,7 @@
 # `make test` and `make install` create .venv when it is missing. torch is installed first and
 # pinned: an unpinned torch would pull the multi-GB CUDA build.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,15 +27,20 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Translate German from stdin with speculative decoding on CPU.
+# Translate German with speculative decoding on CPU: from INPUT=file, else from stdin, else (at a
+# terminal) the example sentences in data/examples.de. Prints one English line per input line;
+# FAIRSEQ_OUTPUT=1 shows fairseq-interactive's own S-/H-/D-/P- output and logs instead.
 translate: $(STAMP)
 	@for f in verifier.pt drafter.pt dict.de.txt dict.en.txt spm.model; do \
 	  test -f $(MODEL_DIR)/$$f || { echo "make translate: $(MODEL_DIR)/$$f is missing (set MODEL_DIR to a model pair, see README)" >&2; exit 1; }; \
 	done
-	$(VENV)/bin/fairseq-interactive $(MODEL_DIR) --user-dir spec_nmt --task spec_translation \
+	@if [ -n "$(INPUT)" ]; then cat "$(INPUT)"; elif [ -t 0 ]; then cat data/examples.de; else cat; fi | \
+	PYTHONWARNINGS=ignore $(VENV)/bin/fairseq-interactive $(MODEL_DIR) --user-dir spec_nmt --task spec_translation \
 	  --source-lang de --target-lang en --path $(MODEL_DIR)/verifier.pt \
 	  --drafter-path $(MODEL_DIR)/drafter.pt --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) \
-	  --bpe sentencepiece --sentencepiece-model $(MODEL_DIR)/spm.model --cpu
+	  --bpe sentencepiece --sentencepiece-model $(MODEL_DIR)/spm.model --cpu 2>&1 | \
+	  if [ -n "$(FAIRSEQ_OUTPUT)" ]; then cat; else awk -F'\t' '/^D-[0-9]/ {print $$3; fflush(); next} \
+	    /^[SHPW]-[0-9]/ || (/\| INFO \|/ && !/speculative decoding:/) {next} {print > "/dev/stderr"}'; fi
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -144,7 +144,7 @@ def read_lines(path, limit=None):
 def environment(args):
     cpu = platform.processor() or platform.machine()
     try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
                    if line.startswith("Model name"))
     except (OSError, StopIteration):

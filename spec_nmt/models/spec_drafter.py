@@ -14,7 +14,6 @@ import os
 from types import SimpleNamespace
 
 import torch
-
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
     TransformerDecoderBase,

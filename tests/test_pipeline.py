@@ -1,0 +1,185 @@
+"""The whole recipe on the toy corpus, through the real scripts: raw text -> sentencepiece +
+fairseq-preprocess -> verifier (scripts/train_verifier.sh) -> distillation -> drafter started
+from the verifier's encoder (scripts/train_drafter.sh) -> compact model directory ->
+`make translate` and scripts/benchmark.py."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+
+from spec_nmt.data_prep import check_raw_dir
+from spec_nmt.errors import SpecNmtError
+from tests.conftest import BIN, REPO, TINY_DRAFTER, TINY_TRANSFORMER, fairseq
+from tests.toy_corpus import write_corpus
+
+TINY_OVERRIDES = [
+    "--cpu", "--max-tokens", "2000", "--lr", "0.003", "--warmup-updates", "50", "--dropout", "0.0",
+    "--num-workers", "0", "--data-buffer-size", "0", "--log-interval", "25",
+]  # fmt: skip
+TINY_DRAFTER_SHAPE = [a for a in TINY_DRAFTER if a not in ("--arch", "spec_drafter")]
+
+
+def run(*command, **kwargs):
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    result = subprocess.run(
+        [str(c) for c in command], cwd=REPO, env=env, capture_output=True, text=True,
+        stdin=subprocess.DEVNULL if "input" not in kwargs else None, timeout=900, **kwargs,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{command} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    raw = write_corpus(root / "raw", n_train=2000)
+    py = sys.executable
+    run(py, "scripts/prepare_data.py", raw, root / "data", "--vocab-size", 40)
+    data_bin = root / "data" / "bin"
+    run("scripts/train_verifier.sh", data_bin, root / "verifier", "small", *TINY_TRANSFORMER,
+        *TINY_OVERRIDES, "--max-update", 250)  # fmt: skip
+    verifier = root / "verifier" / "checkpoint_last.pt"
+    run(py, "scripts/distill.py", data_bin, verifier, root / "distilled", "--beam", 1, "--cpu")
+    drafter_log = run(
+        "scripts/train_drafter.sh", root / "distilled", root / "drafter", "small",
+        *TINY_DRAFTER_SHAPE, "--block-size", 5, *TINY_OVERRIDES, "--max-update", 250,
+        "--init-from-verifier", verifier,
+    )  # fmt: skip
+    drafter = root / "drafter" / "checkpoint_last.pt"
+    model_dir = root / "model"
+    run(py, "scripts/export_model.py", model_dir, "--verifier", verifier, "--drafter", drafter,
+        "--data-bin", data_bin, "--spm-model", root / "data" / "spm.model")  # fmt: skip
+    return {"root": root, "raw": raw, "data": root / "data", "verifier": verifier,
+            "drafter": drafter, "model": model_dir, "drafter_log": drafter_log.stdout}
+
+
+def test_prepared_data_keeps_valid_and_test_complete(pipeline):
+    data = pipeline["data"]
+    assert (data / "spm.model").is_file()
+    for split, n in (("valid", 100), ("test", 60)):
+        assert sum(1 for _ in open(data / "spm" / f"{split}.en")) == n
+        assert (data / "bin" / f"{split}.de-en.de.bin").is_file()
+    assert (data / "bin" / "dict.de.txt").read_text() == (data / "bin" / "dict.en.txt").read_text()
+
+
+def test_distilled_targets_are_the_verifier_outputs(pipeline):
+    """Distilled train targets must differ from the references somewhere and keep the dictionary."""
+    distilled, original = pipeline["root"] / "distilled", pipeline["data"] / "bin"
+    assert (distilled / "dict.en.txt").read_text() == (original / "dict.en.txt").read_text()
+    assert (distilled / "valid.de-en.en.bin").read_bytes() == (original / "valid.de-en.en.bin").read_bytes()
+    assert (distilled / "train.de-en.en.bin").read_bytes() != (original / "train.de-en.en.bin").read_bytes()
+
+
+def test_drafter_started_from_the_verifier_encoder(pipeline):
+    assert "initialised" in pipeline["drafter_log"] and "from the verifier" in pipeline["drafter_log"]
+
+
+def test_exported_models_are_fp16_without_optimizer_state(pipeline):
+    model_dir = pipeline["model"]
+    for name, original in (("verifier.pt", pipeline["verifier"]), ("drafter.pt", pipeline["drafter"])):
+        state = torch.load(model_dir / name, weights_only=True)
+        assert state["last_optimizer_state"] is None
+        assert all(t.dtype == torch.float16 for t in state["model"].values() if t.is_floating_point())
+        assert state["cfg"]["task"]["data"] == "."
+        assert (model_dir / name).stat().st_size < original.stat().st_size / 3
+    for name in ("dict.de.txt", "dict.en.txt", "spm.model"):
+        assert (model_dir / name).is_file()
+
+
+def test_make_translate_gives_greedy_output_line_by_line(pipeline):
+    lines = [line.replace(" ", "") for line in (pipeline["raw"] / "test.de").read_text().splitlines()[:8]]
+    # Words glued together exercise sentencepiece on text it must split itself; an empty line too.
+    lines.insert(3, "")
+    text = "\n".join(lines) + "\n"
+    spec = run("make", "-s", "translate", f"MODEL_DIR={pipeline['model']}", "BLOCK_SIZE=5",
+               "BETA=1", "TAU=0", input=text).stdout.splitlines()  # fmt: skip
+    greedy = fairseq(
+        "interactive", pipeline["model"], "--path", pipeline["model"] / "verifier.pt",
+        "--user-dir", REPO / "spec_nmt", "--source-lang", "de", "--target-lang", "en",
+        "--bpe", "sentencepiece", "--sentencepiece-model", pipeline["model"] / "spm.model",
+        "--beam", 1, "--cpu", input_text=text,
+    ).stdout  # fmt: skip
+    greedy_lines = [line.split("\t")[2] for line in greedy.splitlines() if line.startswith("D-")]
+    assert len(spec) == len(lines) == len(greedy_lines)
+    # The plugin translates an empty line as empty; stock fairseq decodes the bare EOS source.
+    assert spec[3] == ""
+    assert spec[:3] + spec[4:] == greedy_lines[:3] + greedy_lines[4:]
+
+
+def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
+    out = tmp_path / "bench.json"
+    run(sys.executable, "scripts/benchmark.py", "run", pipeline["model"],
+        "--src", pipeline["raw"] / "test.de", "--ref", pipeline["raw"] / "test.en", "--lines", 20,
+        "--batch-size", 8, "--latency-lines", 4, "--warmup-lines", 1, "--lossless-block", 5,
+        "--block", 5, "--beta", 3, "--tau", 1.0, "--json", out)  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = {row["system"]: row for row in result["rows"]}
+    assert set(rows) == {"fairseq greedy", "fairseq beam5", "spec lossless k=5", "spec k=5 beta=3 tau=1.0"}
+    assert rows["spec lossless k=5"]["identical_to_greedy"] == 20
+    assert rows["spec lossless k=5"]["bleu"] == rows["fairseq greedy"]["bleu"]
+    assert rows["spec lossless k=5"]["mean_accepted_per_iteration"] > 0.5
+    assert "nrefs:1|case:mixed|eff:no|tok:13a" in result["sacrebleu_signature"]
+    assert result["environment"]["torch"] == torch.__version__
+
+
+def test_init_from_verifier_rejects_a_different_encoder_shape(toy, tmp_path):
+    result = fairseq(
+        "train", toy["bin"], "--user-dir", REPO / "spec_nmt", "--task", "spec_translation",
+        "--arch", "spec_drafter_small", "--share-all-embeddings", "--criterion", "spec_drafter_loss",
+        "--init-from-verifier", toy["verifier"], "--max-update", 1, "--cpu",
+        "--save-dir", tmp_path, "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "500",
+        check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("spec_nmt error")]
+    assert len(error_lines) == 1 and "--init-from-verifier" in error_lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_prepare_checks_its_input(tmp_path):
+    raw = write_corpus(tmp_path / "raw", n_train=10, n_valid=3, n_test=3)
+    check_raw_dir(raw, "de", "en")
+    (raw / "valid.en").write_text("only one line\n")
+    with pytest.raises(SpecNmtError, match="valid.de has 3 lines but valid.en has 1"):
+        check_raw_dir(raw, "de", "en")
+    (raw / "test.de").unlink()
+    with pytest.raises(SpecNmtError, match="test.de is missing"):
+        check_raw_dir(raw, "de", "en", splits=("test",))
+
+
+def test_wmt14_recipe_reads_archives_and_sgml(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import prepare_wmt14
+    finally:
+        sys.path.pop(0)
+    orig = tmp_path / "orig"
+    orig.mkdir()
+
+    def add(tar, name, text):
+        data = text.encode("utf-8")
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    with tarfile.open(orig / "train.tgz", "w:gz") as tar:
+        for corpus in ("training/europarl-v7.de-en", "commoncrawl.de-en", "training/news-commentary-v9.de-en"):
+            add(tar, f"{corpus}.de", "Hallo  Welt\n")
+            add(tar, f"{corpus}.en", "Hello world\n")
+    with tarfile.open(orig / "test.tgz", "w:gz") as tar:
+        add(tar, "dev/newstest2013.de", "Ja\n")
+        add(tar, "dev/newstest2013.en", "Yes\n")
+        sgm = '<srcset>\n<doc docid="1">\n<seg id="1">Gro&szlig;e &amp; kleine</seg>\n</doc>\n'
+        add(tar, "test-full/newstest2014-deen-src.de.sgm", sgm)
+        add(tar, "test-full/newstest2014-deen-ref.en.sgm", sgm.replace("Gro&szlig;e", "Big"))
+    prepare_wmt14.write_raw(orig, tmp_path / "raw")
+    assert (tmp_path / "raw" / "train.de").read_text() == "Hallo Welt\n" * 3
+    assert (tmp_path / "raw" / "valid.en").read_text() == "Yes\n"
+    assert (tmp_path / "raw" / "test.de").read_text() == "Große & kleine\n"
+    assert (tmp_path / "raw" / "test.en").read_text() == "Big & kleine\n"
