@@ -3,7 +3,7 @@
 #   scripts/train_drafter.sh DATA_BIN SAVE_DIR [small|base] [extra fairseq-train flags]
 # Add --init-from-verifier VERIFIER.pt to start from the verifier's encoder and embeddings
 # (the encoder shapes must match: small pairs with the small verifier, base with base).
-# small: spec_drafter_small (6 encoder / 2 decoder layers, d=256), k=10.
+# small: spec_drafter_small (6 encoder / 2 decoder layers, d=256), k=10, 3 cuts per sentence.
 # base:  spec_drafter_base (12 / 2, d=512), k=25, fp16, as SpecDec on WMT14.
 set -euo pipefail
 DATA_BIN=${1:?usage: $0 DATA_BIN SAVE_DIR [small|base] [fairseq-train flags]}
@@ -12,9 +12,9 @@ SIZE=${3:-small}
 shift $(( $# >= 3 ? 3 : $# ))
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 case "$SIZE" in
-  small) MODEL=(--arch spec_drafter_small --block-size 10 --dropout 0.1
+  small) MODEL=(--arch spec_drafter_small --block-size 10 --cuts-per-sentence 3 --dropout 0.1
                 --lr 1e-3 --warmup-updates 300 --max-tokens 4096 --max-update 100000) ;;
-  base)  MODEL=(--arch spec_drafter_base --block-size 25 --dropout 0.1 --lr 5e-4
+  base)  MODEL=(--arch spec_drafter_base --block-size 25 --cuts-per-sentence 3 --dropout 0.1 --lr 5e-4
                 --warmup-updates 4000 --max-tokens 4096 --update-freq 4 --max-update 300000 --fp16) ;;
   *) echo "$0: size must be small or base, got $SIZE" >&2; exit 2 ;;
 esac

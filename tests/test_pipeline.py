@@ -183,3 +183,26 @@ def test_wmt14_recipe_reads_archives_and_sgml(tmp_path):
     assert (tmp_path / "raw" / "valid.en").read_text() == "Yes\n"
     assert (tmp_path / "raw" / "test.de").read_text() == "Große & kleine\n"
     assert (tmp_path / "raw" / "test.en").read_text() == "Big & kleine\n"
+
+
+@pytest.mark.parametrize("config_dir", ["verifier", "drafter"])
+def test_hydra_configs_train(toy, tmp_path, config_dir):
+    overrides = [f"task.data={toy['bin']}", f"checkpoint.save_dir={tmp_path}",
+                 f"common.user_dir={REPO / 'spec_nmt'}", "common.cpu=true",
+                 "optimization.max_update=2", "dataset.max_tokens=1000"]  # fmt: skip
+    if config_dir == "drafter":
+        overrides.append(f"+model.init_from_verifier={tmp_path / 'missing.pt'}")
+        failed = subprocess.run(
+            [str(BIN / "fairseq-hydra-train"), "--config-dir", REPO / "configs" / config_dir,
+             "--config-name", "small", *overrides], capture_output=True, text=True, cwd=tmp_path,
+        )  # fmt: skip
+        assert failed.returncode != 0 and "missing.pt does not exist" in failed.stderr
+        overrides.pop()
+    result = subprocess.run(
+        [str(BIN / "fairseq-hydra-train"), "--config-dir", REPO / "configs" / config_dir,
+         "--config-name", "small", *overrides], capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    expected = {"verifier": "transformer", "drafter": "spec_drafter_small"}[config_dir]
+    assert state["cfg"]["model"]["_name"] == expected

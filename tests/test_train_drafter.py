@@ -3,20 +3,31 @@
 import re
 import shutil
 
+import pytest
 import torch
+from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
 from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
-from tests.conftest import train_drafter, train_losses
+from tests.conftest import BLOCK_SIZE, train_drafter, train_losses
 
 
-def test_drafter_batches_are_prefix_plus_masks_with_next_k_labels():
+def load_toy_drafter(toy):
+    (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(toy["drafter"])], arg_overrides={"data": str(toy["bin"])}
+    )
+    return task, drafter.eval()
+
+
+@pytest.mark.parametrize("cuts_per_sentence", [1, 3])
+def test_drafter_batches_are_prefix_plus_masks_with_next_k_labels(cuts_per_sentence):
     dictionary = Dictionary()
     for i in range(20):
         dictionary.add_symbol(f"w{i}")
-    k = 3
-    task = SpecTranslationTask(SpecTranslationConfig(block_size=k), dictionary, dictionary)
+    k, m = 3, cuts_per_sentence
+    config = SpecTranslationConfig(block_size=k, cuts_per_sentence=m)
+    task = SpecTranslationTask(config, dictionary, dictionary)
     pad, eos = dictionary.pad(), dictionary.eos()
     mask = task.drafter_dictionaries()[1].index(MASK_SYMBOL)
     assert mask == len(dictionary)  # appended: every other index is unchanged
@@ -25,11 +36,14 @@ def test_drafter_batches_are_prefix_plus_masks_with_next_k_labels():
     cuts_seen = [set(), set()]
     for seed in range(200):
         out = task.drafter_sample(sample, torch.Generator().manual_seed(seed))
-        for row in range(2):
+        assert out["net_input"]["prev_output_tokens"].size(0) == 2 * m
+        for row in range(2 * m):
+            sentence, stratum = divmod(row, m)  # a sentence's cuts are consecutive rows
             decoder_input = out["net_input"]["prev_output_tokens"][row].tolist()
             cut = decoder_input.index(mask) - 1
-            cuts_seen[row].add(cut)
-            real = [t for t in target[row].tolist() if t != pad]
+            cuts_seen[sentence].add(cut)
+            real = [t for t in target[sentence].tolist() if t != pad]
+            assert stratum * len(real) // m <= cut < -(-(stratum + 1) * len(real) // m)
             expected_input = [eos] + real[:cut] + [mask] * k
             assert decoder_input[: len(expected_input)] == expected_input
             assert set(decoder_input[len(expected_input) :]) <= {pad}
@@ -37,6 +51,19 @@ def test_drafter_batches_are_prefix_plus_masks_with_next_k_labels():
             assert out["target"][row].tolist() == labels + [pad] * (k - len(labels))
         assert out["ntokens"] == int(out["target"].ne(pad).sum())
     assert cuts_seen == [set(range(6)), set(range(3))]  # every cut point, EOS block included
+
+
+def test_several_cuts_share_one_encoder_pass(toy):
+    """Rows for several cuts of one sentence score as if each had its own copy of the source."""
+    task, drafter = load_toy_drafter(toy)
+    src = torch.tensor([[4, 5, 6, 2], [7, 8, 9, 2]])
+    mask = task.drafter_dictionaries()[1].index(MASK_SYMBOL)
+    masks, pad = [mask] * BLOCK_SIZE, task.target_dictionary.pad()
+    prev = torch.tensor([[2, *masks, pad], [2, 10, *masks], [2, *masks, pad], [2, 11, *masks]])
+    with torch.no_grad():
+        shared, _ = drafter(src, torch.tensor([4, 4]), prev)
+        copied, _ = drafter(src.repeat_interleave(2, dim=0), torch.full((4,), 4), prev)
+    torch.testing.assert_close(shared, copied)
 
 
 def test_drafter_loss_falls_and_reports_block_accuracy(toy):

@@ -133,7 +133,17 @@ class SpecDrafterModel(TransformerModel):
         return SpecDrafterDecoder(cfg, tgt_dict, embed_tokens)
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, **unused):
+        """prev_output_tokens may hold several rows per sentence (consecutive, the same number
+        for every sentence): training with several cut points shares one encoder pass."""
         encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
+        rows, sentences = prev_output_tokens.size(0), src_tokens.size(0)
+        if rows != sentences:
+            if rows % sentences:
+                raise ValueError(f"{rows} decoder rows for {sentences} sentences")
+            index = torch.arange(sentences, device=src_tokens.device)
+            encoder_out = self.encoder.reorder_encoder_out(
+                encoder_out, index.repeat_interleave(rows // sentences)
+            )
         return self.decoder(prev_output_tokens, encoder_out)
 
 

@@ -37,6 +37,13 @@ class SpecTranslationConfig(TranslationConfig):
             "help": "k: [MASK] positions the drafter fills per iteration, in training and decoding"
         },
     )
+    cuts_per_sentence: int = field(
+        default=1,
+        metadata={
+            "help": "drafter training: cut each target at this many random points per batch; "
+            "the encoder runs once per sentence, so extra cuts cost less than extra epochs"
+        },
+    )
     drafter_path: Optional[str] = field(
         default=None,
         metadata={
@@ -64,6 +71,8 @@ class SpecTranslationTask(TranslationTask):
     def __init__(self, cfg: SpecTranslationConfig, src_dict, tgt_dict):
         if cfg.block_size < 1:
             raise SpecNmtError(f"--block-size must be >= 1, got {cfg.block_size}")
+        if cfg.cuts_per_sentence < 1:
+            raise SpecNmtError(f"--cuts-per-sentence must be >= 1, got {cfg.cuts_per_sentence}")
         check_top_beta_params(cfg.beta, cfg.tau)
         super().__init__(cfg, src_dict, tgt_dict)
         self._drafter_dicts = None
@@ -103,14 +112,20 @@ class SpecTranslationTask(TranslationTask):
         return super().valid_step(self.drafter_sample(sample, generator), model, criterion)
 
     def drafter_sample(self, sample, generator: Optional[torch.Generator] = None):
-        """Turn a translation batch into a drafter batch: cut every target at a random c."""
-        target = sample["target"]  # [B, T], right-padded, ends with EOS
+        """Turn a translation batch into a drafter batch: cut every target at random points c
+        (--cuts-per-sentence rows per sentence, next to each other; the drafter model runs the
+        encoder once per sentence and shares it between them)."""
+        target = sample["target"].repeat_interleave(self.cfg.cuts_per_sentence, dim=0)
         pad, eos = self.target_dictionary.pad(), self.target_dictionary.eos()
         mask = self.drafter_dictionaries()[1].index(MASK_SYMBOL)
         k = self.cfg.block_size
         target_lengths = target.ne(pad).sum(dim=1)
+        # Stratified: the j-th of m cuts of a sentence falls in the j-th m-th of its length.
+        m = self.cfg.cuts_per_sentence
         uniform = torch.rand(target.size(0), generator=generator).to(target.device)
-        cuts = (uniform * target_lengths).long().clamp(max=target_lengths - 1)  # c in [0, len)
+        stratum = torch.arange(target.size(0), device=target.device) % m
+        fraction = (stratum + uniform) / m
+        cuts = (fraction * target_lengths).long().clamp(max=target_lengths - 1)  # c in [0, len)
 
         width = int(cuts.max()) + 1 + k
         slots = torch.arange(width, device=target.device).unsqueeze(0)
