@@ -190,9 +190,12 @@ def sweep(args):
         print(json.dumps(rows[-1]), flush=True)
     latency_tokens = tokens[: args.latency_lines]
     greedy_one = pair.fairseq_generator(1)
-    for block, beta, tau in itertools.product(args.blocks, args.betas, args.taus):
-        if beta == 1 and tau != args.taus[0]:
-            continue  # with beta 1 only the best token can pass: tau changes nothing
+    settings = args.settings or [
+        # with beta 1 only the best token can pass: tau changes nothing
+        (k, beta, tau) for k, beta, tau in itertools.product(args.blocks, args.betas, args.taus)
+        if beta > 1 or tau == args.taus[0]
+    ]
+    for block, beta, tau in settings:
         name = f"spec k={block} beta={beta} tau={tau}"
         spec = pair.speculative_generator(block, beta, tau)
         out = decode_all(pair, {name: spec}, tokens, args.batch_size)[name]
@@ -210,8 +213,20 @@ def sweep(args):
             "batch1_speedup_vs_greedy": round(greedy_seconds / spec_seconds, 2),
         })
         print(json.dumps(rows[-1]), flush=True)
+    # The rule: the fastest setting within 0.3 BLEU of beam 5 (else the best BLEU), and
+    # the fastest k for lossless decoding.
+    beam_bleu = rows[1]["bleu"]
+    spec_rows = [r for r in rows[2:] if r["beta"] > 1] or rows[2:]
+    close = [r for r in spec_rows if r["bleu"] >= beam_bleu - 0.3]
+    best = (max(close, key=lambda r: r["batch1_speedup_vs_greedy"]) if close
+            else max(spec_rows, key=lambda r: r["bleu"]))
+    lossless = max((r for r in rows[2:] if r["beta"] == 1),
+                   key=lambda r: r["batch1_speedup_vs_greedy"], default=None)
+    print("best top-beta/tau setting:", json.dumps(best))
+    print("best lossless setting:", json.dumps(lossless))
     result = {"mode": "sweep", "lines": len(src), "latency_lines": len(latency_tokens),
-              "environment": environment(args), "rows": rows}
+              "environment": environment(args), "rows": rows, "best": best,
+              "best_lossless": lossless}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
@@ -267,6 +282,11 @@ def run(args):
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
+def setting(text):
+    k, beta, tau = text.split(":")
+    return int(k), int(beta), float(tau)
+
+
 def comma_list(kind):
     return lambda text: [kind(x) for x in text.split(",")]
 
@@ -285,6 +305,8 @@ def main():
     parser.add_argument("--blocks", type=comma_list(int), default=[5, 10, 25], help="sweep: block sizes k")
     parser.add_argument("--betas", type=comma_list(int), default=[1, 3, 5], help="sweep: beta values")
     parser.add_argument("--taus", type=comma_list(float), default=[0.0, 1.0, 2.0], help="sweep: tau values")
+    parser.add_argument("--settings", type=comma_list(setting), default=None,
+                        help="sweep: explicit k:beta:tau list instead of the product, e.g. 5:1:0,10:3:1")
     parser.add_argument("--lossless-block", type=int, default=10, help="run: k of the lossless system")
     parser.add_argument("--block", type=int, default=10, help="run: k of the top-beta/tau system")
     parser.add_argument("--beta", type=int, default=3, help="run: beta of the top-beta/tau system")

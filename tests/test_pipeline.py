@@ -206,3 +206,18 @@ def test_hydra_configs_train(toy, tmp_path, config_dir):
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
     expected = {"verifier": "transformer", "drafter": "spec_drafter_small"}[config_dir]
     assert state["cfg"]["model"]["_name"] == expected
+
+
+def test_benchmark_sweep_picks_settings_by_the_rule(pipeline, tmp_path):
+    out = tmp_path / "sweep.json"
+    run(sys.executable, "scripts/benchmark.py", "sweep", pipeline["model"],
+        "--src", pipeline["raw"] / "valid.de", "--ref", pipeline["raw"] / "valid.en", "--lines", 12,
+        "--latency-lines", 3, "--warmup-lines", 1, "--settings", "3:1:0,5:1:0,5:3:1.0", "--json", out)  # fmt: skip
+    result = json.loads(out.read_text())
+    systems = [row["system"] for row in result["rows"]]
+    assert systems == ["fairseq greedy", "fairseq beam5", "spec k=3 beta=1 tau=0.0",
+                       "spec k=5 beta=1 tau=0.0", "spec k=5 beta=3 tau=1.0"]  # fmt: skip
+    assert result["best"]["beta"] == 3  # the only top-beta/tau row
+    assert result["best_lossless"]["beta"] == 1
+    lossless = [row for row in result["rows"][2:] if row["beta"] == 1]
+    assert all(row["bleu"] == result["rows"][0]["bleu"] for row in lossless)
