@@ -278,6 +278,7 @@ def run(args):
         "environment": environment(args), "rows": rows,
     }
     print("sacreBLEU signature:", signature)
+    print(markdown_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
@@ -285,6 +286,28 @@ def run(args):
 def setting(text):
     k, beta, tau = text.split(":")
     return int(k), int(beta), float(tau)
+
+
+def markdown_table(result):
+    """The run's rows as a Markdown table, for BENCHMARKS.md."""
+    batch = result["batch_size"]
+    columns = [
+        ("system", "system"), ("bleu", "BLEU"),
+        ("batch1_ms_per_sentence", "batch-1 ms/sent"),
+        ("batch1_speedup_vs_greedy", "batch-1 × greedy"),
+        ("batch1_speedup_vs_beam5", "batch-1 × beam5"),
+        (f"batch{batch}_sentences_per_s", f"batch-{batch} sent/s"),
+        (f"batch{batch}_speedup_vs_greedy", f"batch-{batch} × greedy"),
+        (f"batch{batch}_speedup_vs_beam5", f"batch-{batch} × beam5"),
+        ("mean_accepted_per_iteration", "accepted/iter"),
+        ("verifier_calls_per_sentence", "verifier calls/sent"),
+        ("identical_to_greedy", f"= greedy (of {result['lines']})"),
+    ]
+    lines = ["| " + " | ".join(title for _, title in columns) + " |",
+             "|" + "---|" * len(columns)]
+    for row in result["rows"]:
+        lines.append("| " + " | ".join(str(row.get(key, "–")) for key, _ in columns) + " |")
+    return "\n".join(lines)
 
 
 def comma_list(kind):

@@ -1,7 +1,7 @@
 """Raw parallel text -> joint sentencepiece -> fairseq binary data.
 
 Shared by ``scripts/prepare_data.py`` (any directory of ``{train,valid,test}.{src,tgt}``),
-``scripts/prepare_wmt14.sh`` (downloads WMT14 first) and ``scripts/distill.py`` (re-binarizes
+``scripts/prepare_wmt14.py`` (downloads WMT14 first) and ``scripts/distill.py`` (re-binarizes
 the verifier's translations with the original dictionaries).
 """
 
@@ -47,7 +47,8 @@ def train_sentencepiece(train_files, model_prefix, vocab_size, max_sentences=2_0
         character_coverage=1.0,
         input_sentence_size=max_sentences,
         shuffle_input_sentence=True,
-        # fairseq's dictionary adds its own <s>, <pad>, </s>, <unk>; ids 0-2 are unused here.
+        # fairseq maps pieces to its own dictionary (with its own <s>, <pad>, </s>, <unk>), so
+        # sentencepiece needs no control symbols besides the unknown piece.
         bos_id=-1,
         eos_id=-1,
         unk_id=0,
