@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 .PHONY: install test translate clean
 
 MODEL_DIR ?= data/models/bench-de-en
-BLOCK_SIZE ?= 25
+BLOCK_SIZE ?= 10
 BETA ?= 1
 TAU ?= 0
 

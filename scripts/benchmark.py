@@ -88,7 +88,8 @@ class ModelPair:
         return tokens
 
     def decode(self, token_ids) -> str:
-        return self.spm.decode_pieces(self.tgt_dict.string(token_ids).split())
+        """Detokenize exactly as fairseq's --bpe sentencepiece does for fairseq-generate output."""
+        return self.tgt_dict.string(token_ids).replace(" ", "").replace("\u2581", " ").strip()
 
 
 def make_batches(pair, tokens, batch_size):
