@@ -40,7 +40,8 @@ translate: $(STAMP)
 	  --drafter-path $(MODEL_DIR)/drafter.pt --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) \
 	  --bpe sentencepiece --sentencepiece-model $(MODEL_DIR)/spm.model --cpu 2>&1 | \
 	  if [ -n "$(FAIRSEQ_OUTPUT)" ]; then cat; else awk -F'\t' '/^D-[0-9]/ {print $$3; fflush(); next} \
-	    /^[SHPW]-[0-9]/ || (/\| INFO \|/ && !/speculative decoding:/) {next} {print > "/dev/stderr"}'; fi
+	    /^[SHPW]-[0-9]/ || ((/^(INFO|DEBUG):/ || /\| (INFO|DEBUG) \|/) && !/speculative decoding:/) {next} \
+	    {print > "/dev/stderr"}'; fi
 
 clean:
 	rm -rf $(VENV) *.egg-info
