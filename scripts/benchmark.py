@@ -142,7 +142,7 @@ def read_lines(path, limit=None):
     return lines[:limit] if limit else lines
 
 
-def environment(args):
+def environment():
     cpu = platform.processor() or platform.machine()
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -163,17 +163,24 @@ def environment(args):
     }
 
 
+def batch1_seconds(pair, systems, tokens, untimed=0):
+    """Seconds per system decoding ``tokens`` one sentence at a time, the systems' order rotating
+    per sentence; the first ``untimed`` sentences are run but not counted (warm-up)."""
+    seconds = dict.fromkeys(systems, 0.0)
+    for i, line_tokens in enumerate(tokens):
+        one = decode_all(pair, systems, [line_tokens], 1, rotation_offset=i)
+        if i >= untimed:
+            for name in systems:
+                seconds[name] += one[name]["seconds"]
+    return seconds
+
+
 def timed_runs(pair, systems, tokens, args):
-    """(large-batch results over all lines, batch-1 results over the first --latency-lines)."""
+    """(large-batch results over all lines, batch-1 seconds over the first --latency-lines)."""
     decode_all(pair, systems, tokens[: args.warmup_lines], args.batch_size)  # warm-up, untimed
     batched = decode_all(pair, systems, tokens, args.batch_size)
     latency_tokens = tokens[: args.latency_lines + args.warmup_lines]
-    single = {name: {"seconds": 0.0} for name in systems}
-    for i, line_tokens in enumerate(latency_tokens):
-        one = decode_all(pair, systems, [line_tokens], 1, rotation_offset=i)
-        if i >= args.warmup_lines:
-            for name in systems:
-                single[name]["seconds"] += one[name]["seconds"]
+    single = batch1_seconds(pair, systems, latency_tokens, untimed=args.warmup_lines)
     return batched, single, len(latency_tokens) - args.warmup_lines
 
 
@@ -201,17 +208,13 @@ def sweep(args):
         spec = pair.speculative_generator(block, beta, tau)
         out = decode_all(pair, {name: spec}, tokens, args.batch_size)[name]
         # Batch-1 time relative to fairseq greedy, alternated sentence by sentence.
-        spec_seconds = greedy_seconds = 0.0
-        for i, line_tokens in enumerate(latency_tokens):
-            one = decode_all(pair, {"g": greedy_one, "s": spec}, [line_tokens], 1, rotation_offset=i)
-            greedy_seconds += one["g"]["seconds"]
-            spec_seconds += one["s"]["seconds"]
+        single = batch1_seconds(pair, {"greedy": greedy_one, name: spec}, latency_tokens)
         rows.append({
             "system": name, "block": block, "beta": beta, "tau": tau,
             "bleu": bleu(pair, out["tokens"], refs)[0],
             "mean_accepted_per_iteration": out["mean_accepted_per_iteration"],
             "verifier_calls_per_sentence": out["verifier_calls_per_sentence"],
-            "batch1_speedup_vs_greedy": round(greedy_seconds / spec_seconds, 2),
+            "batch1_speedup_vs_greedy": round(single["greedy"] / single[name], 2),
         })
         print(json.dumps(rows[-1]), flush=True)
     # The issue's rule: the fastest setting within 0.3 BLEU of beam 5 (else the best BLEU), and
@@ -226,7 +229,7 @@ def sweep(args):
     print("best top-beta/tau setting:", json.dumps(best))
     print("best lossless setting:", json.dumps(lossless))
     result = {"mode": "sweep", "lines": len(src), "latency_lines": len(latency_tokens),
-              "environment": environment(args), "rows": rows, "best": best,
+              "environment": environment(), "rows": rows, "best": best,
               "best_lossless": lossless}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -252,9 +255,9 @@ def run(args):
         score, signature, hyps = bleu(pair, batched[name]["tokens"], refs)
         row = {
             "system": name, "bleu": score,
-            "batch1_ms_per_sentence": round(1000 * single[name]["seconds"] / latency_lines, 1),
-            "batch1_speedup_vs_greedy": round(single["fairseq greedy"]["seconds"] / single[name]["seconds"], 2),
-            "batch1_speedup_vs_beam5": round(single["fairseq beam5"]["seconds"] / single[name]["seconds"], 2),
+            "batch1_ms_per_sentence": round(1000 * single[name] / latency_lines, 1),
+            "batch1_speedup_vs_greedy": round(single["fairseq greedy"] / single[name], 2),
+            "batch1_speedup_vs_beam5": round(single["fairseq beam5"] / single[name], 2),
             f"batch{args.batch_size}_sentences_per_s": round(len(src) / batched[name]["seconds"], 1),
             f"batch{args.batch_size}_speedup_vs_greedy": round(
                 batched["fairseq greedy"]["seconds"] / batched[name]["seconds"], 2),
@@ -276,7 +279,7 @@ def run(args):
         "mode": "run", "lines": len(src), "latency_lines": latency_lines,
         "warmup_lines": args.warmup_lines, "batch_size": args.batch_size,
         "sacrebleu_signature": signature, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
-        "environment": environment(args), "rows": rows,
+        "environment": environment(), "rows": rows,
     }
     print("sacreBLEU signature:", signature)
     print(markdown_table(result))

@@ -48,14 +48,20 @@ def download(orig: Path):
         partial.rename(target)
 
 
-def read_member(archives, suffix):
-    """Lines of the first member whose name ends with suffix, from any of the archives."""
+def read_members(archives, suffixes):
+    """{suffix: lines} of the first member ending in each suffix, reading every archive once
+    (they are large and gzipped: no second pass)."""
+    found = {}
     for archive in archives:
         with tarfile.open(archive) as tar:
-            for member in tar.getmembers():
-                if member.isfile() and member.name.endswith(suffix):
-                    return tar.extractfile(member).read().decode("utf-8").splitlines()
-    raise FileNotFoundError(f"no member ending in {suffix} in {', '.join(map(str, archives))}")
+            for member in tar:
+                suffix = next((x for x in suffixes if member.name.endswith(x)), None)
+                if member.isfile() and suffix is not None and suffix not in found:
+                    found[suffix] = tar.extractfile(member).read().decode("utf-8").splitlines()
+    missing = [x for x in suffixes if x not in found]
+    if missing:
+        raise FileNotFoundError(f"no member ending in {', '.join(missing)} in {', '.join(map(str, archives))}")
+    return found
 
 
 def sgm_segments(lines):
@@ -68,13 +74,14 @@ def clean(line):
 
 
 def write_raw(orig: Path, raw: Path):
-    archives = sorted(orig.glob("*.tgz"))
+    train_pairs = [(de, de[:-3] + ".en") for de in TRAIN_CORPORA]
+    wanted = [name for pair in train_pairs for name in pair] + list(VALID) + list(TEST_SGM)
+    members = read_members(sorted(orig.glob("*.tgz")), wanted)
     raw.mkdir(parents=True, exist_ok=True)
     with open(raw / "train.de", "w", encoding="utf-8") as fde, \
             open(raw / "train.en", "w", encoding="utf-8") as fen:
-        for de_suffix in TRAIN_CORPORA:
-            de = read_member(archives, de_suffix)
-            en = read_member(archives, de_suffix[:-3] + ".en")
+        for de_suffix, en_suffix in train_pairs:
+            de, en = members[de_suffix], members[en_suffix]
             if len(de) != len(en):
                 raise ValueError(f"{de_suffix}: {len(de)} German but {len(en)} English lines")
             for d, e in zip(de, en):
@@ -85,7 +92,7 @@ def write_raw(orig: Path, raw: Path):
         ("test", TEST_SGM, sgm_segments),
     ):
         for lang, name in (("de", de_name), ("en", en_name)):
-            lines = parse(read_member(archives, name))
+            lines = parse(members[name])
             (raw / f"{split}.{lang}").write_text("".join(clean(x) + "\n" for x in lines), "utf-8")
 
 

@@ -3,12 +3,7 @@
 #   scripts/train_verifier.sh DATA_BIN SAVE_DIR [small|base] [extra fairseq-train flags]
 # small: 6 encoder / 4 decoder layers, d=256 (what trains on a few CPU cores; the bundled model).
 # base:  transformer base (Vaswani et al., 2017) on WMT14 de-en, fp16, 8x4096 tokens x update-freq 4.
-set -euo pipefail
-DATA_BIN=${1:?usage: $0 DATA_BIN SAVE_DIR [small|base] [fairseq-train flags]}
-SAVE_DIR=${2:?usage: $0 DATA_BIN SAVE_DIR [small|base] [fairseq-train flags]}
-SIZE=${3:-small}
-shift $(( $# >= 3 ? 3 : $# ))
-HERE=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/train_common.sh"
 case "$SIZE" in
   small) MODEL=(--arch transformer --encoder-layers 6 --decoder-layers 4
                 --encoder-embed-dim 256 --decoder-embed-dim 256
@@ -20,10 +15,4 @@ case "$SIZE" in
                 --max-tokens 4096 --update-freq 4 --max-update 300000 --fp16) ;;
   *) echo "$0: size must be small or base, got $SIZE" >&2; exit 2 ;;
 esac
-exec fairseq-train "$DATA_BIN" --user-dir "$HERE/spec_nmt" \
-  --task translation --source-lang de --target-lang en --share-all-embeddings "${MODEL[@]}" \
-  --optimizer adam --adam-betas '(0.9, 0.98)' --lr-scheduler inverse_sqrt --warmup-init-lr 1e-7 \
-  --clip-norm 1.0 --weight-decay 0.0001 \
-  --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
-  --save-dir "$SAVE_DIR" --save-interval-updates 1000 --keep-interval-updates 1 --no-epoch-checkpoints \
-  --validate-interval-updates 1000 --log-interval 50 --log-format simple --seed 1 "$@"
+fairseq_train --task translation --criterion label_smoothed_cross_entropy "${MODEL[@]}"

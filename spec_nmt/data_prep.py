@@ -94,10 +94,9 @@ def run_fairseq_preprocess(src, tgt, destdir, trainpref=None, validpref=None, te
                        ("--testpref", testpref)):
         if pref is not None:
             args += [flag, str(pref)]
-    if srcdict is None:
-        args += ["--joined-dictionary"]
-    else:
-        args += ["--joined-dictionary", "--srcdict", str(srcdict)]
+    args.append("--joined-dictionary")
+    if srcdict is not None:
+        args += ["--srcdict", str(srcdict)]
     logger.info("running %s", " ".join(args))
     subprocess.run(args, check=True)
 

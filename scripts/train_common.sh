@@ -1,0 +1,22 @@
+# Sourced (not run) by train_verifier.sh and train_drafter.sh: their arguments and the
+# optimisation, logging and checkpoint flags both models train with.
+#   SCRIPT DATA_BIN SAVE_DIR [small|base] [extra fairseq-train flags]
+set -euo pipefail
+USAGE="usage: $0 DATA_BIN SAVE_DIR [small|base] [fairseq-train flags]"
+DATA_BIN=${1:?$USAGE}
+SAVE_DIR=${2:?$USAGE}
+SIZE=${3:-small}
+EXTRA=("${@:4}")
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# fairseq_train FLAGS...: the shared flags, then the model's FLAGS, then the user's extra flags
+# (fairseq keeps the last value of a repeated flag, so the user's win).
+fairseq_train() {
+  exec fairseq-train "$DATA_BIN" --user-dir "$REPO/spec_nmt" \
+    --source-lang de --target-lang en --share-all-embeddings \
+    --optimizer adam --adam-betas '(0.9, 0.98)' --lr-scheduler inverse_sqrt --warmup-init-lr 1e-7 \
+    --clip-norm 1.0 --weight-decay 0.0001 --label-smoothing 0.1 \
+    --save-dir "$SAVE_DIR" --save-interval-updates 1000 --keep-interval-updates 1 --no-epoch-checkpoints \
+    --validate-interval-updates 1000 --log-interval 50 --log-format simple --seed 1 \
+    "$@" "${EXTRA[@]}"
+}
