@@ -37,6 +37,7 @@ from fairseq import checkpoint_utils
 from fairseq.sequence_generator import SequenceGenerator
 
 import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
+from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
@@ -59,11 +60,13 @@ class ModelPair:
         _, _, self.task = checkpoint_utils.load_model_ensemble_and_task(
             [str(model_dir / "drafter.pt")], arg_overrides=overrides
         )
-        self.drafter = self.task.load_drafter(str(model_dir / "drafter.pt"), self.verifier)
+        self.drafter, drafter_model = self.task.load_drafter(
+            str(model_dir / "drafter.pt"), self.verifier
+        )
         self.src_dict, self.tgt_dict = self.task.source_dictionary, self.task.target_dictionary
         self.spm = spm.SentencePieceProcessor(model_file=str(model_dir / "spm.model"))
         self.max_source_tokens = min(
-            self.verifier.encoder.max_positions(), self.drafter.model.encoder.max_positions()
+            self.verifier.encoder.max_positions(), drafter_model.encoder.max_positions()
         )
 
     def fairseq_generator(self, beam: int) -> SequenceGenerator:
@@ -73,8 +76,8 @@ class ModelPair:
 
     def speculative_generator(self, block: int, beta: int, tau: float) -> SpeculativeGenerator:
         return SpeculativeGenerator(
-            TransformerVerifier(self.verifier), self.drafter, self.tgt_dict, block_size=block,
-            beta=beta, tau=tau, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B,
+            TransformerVerifier(self.verifier), self.drafter, self.tgt_dict,
+            plan=DraftPlan.chain(block, sample=False), beta=beta, tau=tau, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B,
         )
 
     def encode(self, lines):

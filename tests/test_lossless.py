@@ -9,6 +9,8 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.sequence_generator import SequenceGenerator
 
+from spec_nmt.decoding import tree
+from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
@@ -94,12 +96,16 @@ class OracleDrafter:
     def start(self, net_input):
         return torch.arange(self.greedy.size(0))
 
-    def propose(self, rows, tokens, lengths, k):
+    def propose(self, rows, tokens, lengths, plan, generator):
+        k = plan.depth
         padded = torch.cat(
             [self.greedy, self.greedy.new_full((self.greedy.size(0), k), self.eos)], 1
         )
         index = lengths.unsqueeze(1) + torch.arange(k)
-        return padded[rows].gather(1, index)
+        return tree.chain(padded[rows].gather(1, index))
+
+    def commit(self, rows, keep, n_keep):
+        pass
 
     def select_rows(self, rows, keep):
         return rows[keep]
@@ -135,7 +141,7 @@ def test_oracle_drafter_gets_whole_blocks_accepted(in_process):
             TransformerVerifier(models[0]),
             OracleDrafter(greedy_padded, tgt_dict.eos()),
             tgt_dict,
-            block_size=BLOCK_SIZE,
+            plan=DraftPlan.chain(BLOCK_SIZE, sample=False),
             max_len_b=MAX_LEN_B,
         )
         result = speculative.generate(models, sample)

@@ -49,6 +49,12 @@ def source_batch(dictionary, batch, length=7):
     return {"src_tokens": src, "src_lengths": lengths}
 
 
+def commit_prefix(verifier, state, width, keep):
+    """Row b keeps the first keep[b] entries of the block just scored."""
+    entries = torch.arange(width).expand(len(keep), -1)
+    verifier.commit(state, entries, torch.tensor(keep))
+
+
 @pytest.mark.parametrize("learned_positions", [False, True])
 @torch.no_grad()
 def test_blocks_and_rollbacks_match_full_recomputation(learned_positions):
@@ -70,7 +76,7 @@ def test_blocks_and_rollbacks_match_full_recomputation(learned_positions):
             row_input = {k: v[b : b + 1] for k, v in net_input.items()}
             reference = full_forward_logprobs(model, row_input, sequence)[0, -width:]
             torch.testing.assert_close(scores[b], reference, atol=2e-5, rtol=1e-5)
-        verifier.commit(state, torch.tensor(keep))
+        commit_prefix(verifier, state, width, keep)
         # keep[b] block entries stay in the cache; the next pending token is any new token
         kept = [
             torch.cat([kept[b][:-1], block[b, : keep[b]], random_tokens(dictionary, 1)])
@@ -87,7 +93,7 @@ def test_dropping_rows_keeps_the_others_exact():
     state = verifier.start(net_input)
     block = torch.cat([torch.full((3, 1), dictionary.eos()), random_tokens(dictionary, 3, 3)], 1)
     verifier.score_block(state, block)
-    verifier.commit(state, torch.tensor([3, 1, 2]))
+    commit_prefix(verifier, state, 4, [3, 1, 2])
     rows = torch.tensor([0, 2])
     verifier.select_rows(state, rows)
     next_block = random_tokens(dictionary, 2, 2)
@@ -115,9 +121,9 @@ def test_rollback_never_touches_encoder_attention_state():
         ]
 
     before = encoder_attention_keys()
-    verifier.commit(state, torch.tensor([1, 3]))
+    commit_prefix(verifier, state, 5, [1, 3])
     for old, new in zip(before, encoder_attention_keys()):
         assert torch.equal(old, new)
     self_keys = model.decoder.layers[0].self_attn._get_input_buffer(state.incremental_state)
     assert self_keys["prev_key"].size(2) == 3  # longest row kept 3 entries
-    assert self_keys["prev_key_padding_mask"].tolist() == [[False, True, True], [False] * 3]
+    assert state.fed_lengths.tolist() == [1, 3]  # row 0's slots 1 and 2 are holes

@@ -1,13 +1,129 @@
-"""Drafter adapters: turn a drafter model into block proposals for the decoding loop.
+"""Drafters: turn a drafter model into draft trees for the decoding loop (a chain of k drafts is
+a tree too, see tree.py).
 
-A drafter adapter has three verbs: ``start`` (encode the batch once), ``propose`` (draft the next
-k tokens of every row after its verified prefix) and ``select_rows`` (finished sentences leave).
+Two kinds, with the same verbs: ``start`` (encode the batch once), ``propose`` (a draft tree per
+row after its verified prefix), ``commit`` (keep what the verifier accepted) and ``select_rows``
+(finished sentences leave).
+
+* ``NarDrafter``: the non-autoregressive Spec-Drafter. One decoder pass over
+  ``BOS + prefix + k [MASK]`` gives a distribution per block position; the node at depth d draws
+  its children from position d+1's distribution, whatever its ancestors are.
+* ``ArDrafter``: an ordinary fairseq Transformer. Drafting feeds one tree level per step on its
+  own KV cache (tree attention, like the verifier's), so every node's children are drawn from the
+  distribution after its own path.
 """
 
-from typing import Dict
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from spec_nmt.decoding.tree import (
+    DraftTree,
+    block_visibility,
+    gumbel_top_k,
+    stochastic_beam_step,
+)
+from spec_nmt.decoding.verifier import TransformerVerifier
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """The shape of the drafts. ``branching`` gives the children per node at each depth
+    (``(1,) * k`` is a chain); ``beam_width`` > 0 instead grows ``depth`` levels of stochastic
+    beam search. ``sample`` draws tokens from p (without replacement among siblings); otherwise
+    every node gets the drafter's best token (greedy chains only)."""
+
+    branching: Tuple[int, ...] = ()
+    beam_width: int = 0
+    beam_depth: int = 0
+    sample: bool = False
+
+    @property
+    def depth(self) -> int:
+        return self.beam_depth if self.beam_width else len(self.branching)
+
+    @classmethod
+    def chain(cls, k: int, sample: bool) -> "DraftPlan":
+        return cls(branching=(1,) * k, sample=sample)
+
+    def shrink(self, depth: int) -> "DraftPlan":
+        """The same plan at most ``depth`` levels deep (near the position limit)."""
+        if self.beam_width:
+            return DraftPlan(beam_width=self.beam_width, beam_depth=min(depth, self.beam_depth),
+                             sample=self.sample)  # fmt: skip
+        return DraftPlan(branching=self.branching[:depth], sample=self.sample)
+
+
+# expand(level tokens [B, n], their visibility over uncommitted entries [B, n, U+n], their depth)
+#   -> log-probs [B, n, V] of each node's children
+Expand = Callable[[Tensor, Tensor, int], Tensor]
+
+
+def grow_tree(
+    plan: DraftPlan,
+    pending: Tensor,  # [B] the root token of every row
+    expand: Expand,
+    eos: int,
+    generator: Optional[torch.Generator],
+    needs_visibility: bool = True,
+) -> DraftTree:
+    """Grow a draft tree level by level. Children of an EOS node (and of an empty slot) are
+    empty slots; the drafter distribution of every entry is kept when sampling.
+    ``needs_visibility=False`` passes ``None`` to ``expand`` (drafters that see no tree)."""
+    batch = pending.size(0)
+    device = pending.device
+    root = pending.unsqueeze(1)
+    entry_logprobs = [expand(root, torch.ones(batch, 1, 1, dtype=torch.bool, device=device), 0)]
+    empty = pending.new_zeros(batch, 0)
+    tokens, parents, valid = [empty], [empty], [empty.bool()]
+    depths = [pending.new_zeros(0)]
+    frontier_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    frontier_tokens = root
+    beam_logprobs = torch.zeros(batch, 1, device=device)
+    beam_scores = torch.zeros(batch, 1, device=device)
+    for depth in range(1, plan.depth + 1):
+        parent_logprobs = entry_logprobs[-1]  # [B, n_parents, V]
+        can_extend = frontier_valid & frontier_tokens.ne(eos)
+        first_parent = sum(t.size(1) for t in tokens) - frontier_tokens.size(1)  # node index
+        if plan.beam_width:
+            masked = parent_logprobs.masked_fill(~can_extend.unsqueeze(2), float("-inf"))
+            beam, level_tokens, beam_logprobs, beam_scores = stochastic_beam_step(
+                beam_logprobs, beam_scores, masked, plan.beam_width, generator
+            )
+            level_valid = beam_scores.isfinite()
+        else:
+            width = plan.branching[depth - 1]
+            if plan.sample:
+                level_tokens, drawn = gumbel_top_k(parent_logprobs, width, generator)
+            else:
+                level_tokens = parent_logprobs.topk(width, dim=-1).indices
+                drawn = torch.ones_like(level_tokens, dtype=torch.bool)
+            beam = torch.arange(frontier_tokens.size(1), device=device).repeat_interleave(width)
+            beam = beam.expand(batch, -1)
+            level_tokens = level_tokens.flatten(1)
+            level_valid = drawn.flatten(1) & can_extend.gather(1, beam)
+        level_parents = beam + first_parent if depth > 1 else torch.full_like(beam, -1)
+        tokens.append(level_tokens)
+        parents.append(level_parents)
+        valid.append(level_valid & frontier_valid.gather(1, beam))
+        depths.append(torch.full((level_tokens.size(1),), depth, device=device))
+        # the children's distributions (for the deepest level only an AR drafter computes them:
+        # feeding the leaves keeps its cache complete for the next iteration)
+        level_visible = None
+        if needs_visibility:
+            level_visible = block_visibility(torch.cat(parents, dim=1))[:, -level_tokens.size(1) :]
+        entry_logprobs.append(expand(level_tokens, level_visible, depth))
+        frontier_tokens, frontier_valid = level_tokens, valid[-1]
+    draft_probs = torch.cat(entry_logprobs, dim=1).exp() if plan.sample else None
+    return DraftTree(
+        torch.cat(tokens, dim=1),
+        torch.cat(parents, dim=1),
+        torch.cat(depths),
+        torch.cat(valid, dim=1),
+        draft_probs,
+    )
 
 
 class NarDrafter:
@@ -17,10 +133,10 @@ class NarDrafter:
     cached between iterations; the (deep) encoder runs once per sentence.
     """
 
-    def __init__(self, model, pad: int):
+    def __init__(self, model, pad: int, eos: int):
         self.model = model
         self.mask = model.decoder.mask_idx
-        self.pad = pad
+        self.pad, self.eos = pad, eos
 
     def max_positions(self) -> int:
         return self.model.decoder.max_positions()
@@ -28,10 +144,9 @@ class NarDrafter:
     def start(self, net_input: Dict[str, Tensor]) -> Dict:
         return self.model.encoder.forward_torchscript(net_input)
 
-    def propose(self, encoder_out: Dict, tokens: Tensor, lengths: Tensor, k: int) -> Tensor:
-        """Drafted tokens [B, k] for rows whose input is ``tokens[b, :lengths[b] + 1]``
-        (BOS + verified prefix) followed by k masks. ``tokens`` must be at least
-        ``lengths.max() + 1 + k`` wide (the generator's buffer has that slack)."""
+    def position_logprobs(self, encoder_out: Dict, tokens: Tensor, lengths: Tensor, k: int):
+        """Log-probs [B, k, V] at the k masks after each row's ``tokens[b, :lengths[b] + 1]``
+        (BOS + verified prefix). ``tokens`` must be at least ``lengths.max() + 1 + k`` wide."""
         width = int(lengths.max()) + 1 + k
         slots = torch.arange(width, device=tokens.device).unsqueeze(0)
         prefix_end = lengths.unsqueeze(1) + 1
@@ -43,7 +158,57 @@ class NarDrafter:
         logits, _ = self.model.decoder(decoder_input, encoder_out)
         logits[:, :, self.pad] = float("-inf")
         logits[:, :, self.mask] = float("-inf")
-        return logits.argmax(dim=-1)
+        index = (prefix_end + torch.arange(k, device=tokens.device)).clamp(max=width - 1)
+        logits = logits.gather(1, index.unsqueeze(2).expand(-1, -1, logits.size(2)))
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def propose(self, encoder_out, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
+        depth = plan.depth
+        logprobs = self.position_logprobs(encoder_out, tokens, lengths, depth)
+
+        def expand(level_tokens: Tensor, _visible, level_depth: int) -> Tensor:
+            position = logprobs[:, min(level_depth, depth - 1)]
+            return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
+
+        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
+
+    def commit(self, encoder_out, keep: Tensor, n_keep: Tensor) -> None:
+        """Nothing to keep: the next pass reads the whole verified prefix again."""
 
     def select_rows(self, encoder_out: Dict, rows: Tensor) -> Dict:
         return self.model.encoder.reorder_encoder_out(encoder_out, rows)
+
+
+class ArDrafter:
+    """An autoregressive drafter: a small stock fairseq Transformer translation model, run on the
+    verifier's block scorer (KV cache with tree attention). Each iteration feeds the pending
+    token and then every tree level, leaves included, so that after ``commit`` its cache holds
+    the whole verified prefix except the new pending token."""
+
+    def __init__(self, model, pad: int, eos: int):
+        self.scorer = TransformerVerifier(model, role="the autoregressive drafter (--drafter-path)")
+        self.pad, self.eos = pad, eos
+
+    def max_positions(self) -> int:
+        return self.scorer.max_positions()
+
+    def start(self, net_input: Dict[str, Tensor]):
+        return self.scorer.start(net_input)
+
+    def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
+        def expand(level_tokens: Tensor, visible: Tensor, level_depth: int) -> Tensor:
+            depths = torch.full((level_tokens.size(1),), level_depth, device=level_tokens.device)
+            logprobs = self.scorer.score_block(state, level_tokens, depths, visible).float()
+            logprobs[:, :, self.pad] = float("-inf")
+            return logprobs.log_softmax(dim=-1)
+
+        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+        return grow_tree(plan, pending, expand, self.eos, generator)
+
+    def commit(self, state, keep: Tensor, n_keep: Tensor) -> None:
+        self.scorer.commit(state, keep, n_keep)
+
+    def select_rows(self, state, rows: Tensor):
+        self.scorer.select_rows(state, rows)
+        return state

@@ -1,23 +1,26 @@
 """The speculative decoding loop, as a drop-in for fairseq's ``SequenceGenerator``.
 
 Each iteration, for every unfinished sentence of the batch:
-  1. draft:  the drafter fills k [MASK] positions after the verified prefix;
-  2. score:  the verifier scores [pending token, d_1 .. d_k] in one pass on its KV cache;
-  3. accept: the rule keeps the longest acceptable run of drafts, then the verifier's own token
-             (correction or bonus) follows;
-  4. commit: accepted tokens join the prefix, the verifier's cache drops the rejected entries,
+  1. draft:  the drafter proposes a draft tree after the verified prefix (a chain of k tokens
+             for top-beta/tau and speculative sampling, a wider tree for RSD);
+  2. score:  the verifier scores [pending token, tree nodes] in one pass on its KV cache;
+  3. accept: the rule keeps a path of drafts, then the verifier's own token follows (correction
+             at the first rejection, bonus after a fully accepted path);
+  4. commit: accepted tokens join the prefix, verifier and drafter caches drop everything else,
              finished sentences leave the batch.
-Every iteration emits at least one token, so even a useless drafter degrades to greedy decoding.
+Every iteration emits at least one token, so even a useless drafter degrades to plain decoding.
 """
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.verify import accept_top_beta
+from spec_nmt.decoding.drafters import DraftPlan
+from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility, recursive_rejection
+from spec_nmt.decoding.verify import accept_top_beta, sampling_probs, speculative_sample
 from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger(__name__)
@@ -50,17 +53,28 @@ class DecodingStats:
 
 
 class SpeculativeGenerator:
-    """Generates translations like ``SequenceGenerator(beam=1)`` with the same length limits,
-    penalties and hypothesis format (tokens, score, positional_scores from the verifier)."""
+    """Generates translations like ``SequenceGenerator`` (``--beam 1``, or ``--sampling`` for the
+    sampling rules) with the same length limits, penalties and hypothesis format (tokens, score,
+    positional_scores from the verifier).
+
+    ``verify`` picks the rule: ``top_beta`` (greedy drafts, ``beta``/``tau``), ``sampling``
+    (speculative sampling over a sampled chain) or ``rsd`` (recursive rejection sampling over a
+    draft tree); ``plan`` gives the drafts' shape. Sampling uses its own ``torch.Generator``
+    seeded with ``seed``, so equal seeds give equal outputs.
+    """
 
     def __init__(
         self,
         verifier,
         drafter,
         tgt_dict,
-        block_size: int,
+        plan: DraftPlan,
+        verify: str = "top_beta",
         beta: int = 1,
         tau: float = 0.0,
+        sampling_topk: int = -1,
+        sampling_topp: float = -1.0,
+        seed: int = 1,
         max_len_a: float = 0,
         max_len_b: int = 200,
         max_len: int = 0,
@@ -69,11 +83,18 @@ class SpeculativeGenerator:
         len_penalty: float = 1.0,
         unk_penalty: float = 0.0,
     ):
+        if verify not in ("top_beta", "sampling", "rsd"):
+            raise SpecNmtError(f"unknown verification rule {verify!r}")
+        if (verify == "top_beta") == plan.sample or (verify != "rsd" and plan.beam_width):
+            raise ValueError(f"draft plan {plan} does not fit rule {verify}")
         self.verifier = verifier
         self.drafter = drafter
-        self.block_size = block_size
-        self.beta = beta
-        self.tau = tau
+        self.plan = plan
+        self.verify = verify
+        self.beta, self.tau = beta, tau
+        self.sampling_topk, self.sampling_topp = sampling_topk, sampling_topp
+        self.seed = seed
+        self._rng: Optional[torch.Generator] = None
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
         self.max_len_a, self.max_len_b, self.min_len = max_len_a, max_len_b, min_len
@@ -82,6 +103,12 @@ class SpeculativeGenerator:
         self.len_penalty = len_penalty
         self.unk_penalty = unk_penalty
         self.stats = DecodingStats()
+
+    def rng(self, device: torch.device) -> torch.Generator:
+        """The sampling generator: one per decoder, seeded once, so a run is reproducible."""
+        if self._rng is None or self._rng.device != device:
+            self._rng = torch.Generator(device=device).manual_seed(self.seed)
+        return self._rng
 
     @torch.no_grad()
     def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, **unused):
@@ -94,9 +121,9 @@ class SpeculativeGenerator:
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
         if self.min_len > max_len:
             raise SpecNmtError("--min-len cannot be larger than the maximum output length")
-        k = self.block_size
+        rng = self.rng(src_tokens.device)
 
-        slack = k + 1  # a block may write up to k+1 tokens past the last verified one
+        slack = self.plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
         tokens = src_tokens.new_full((bsz, max_len + 2 + slack), self.pad)
         tokens[:, 0] = self.eos
         token_scores = torch.zeros(bsz, max_len + 1 + slack, device=src_tokens.device)
@@ -119,30 +146,36 @@ class SpeculativeGenerator:
 
         while rows.numel() > 0:
             row_tokens, row_lengths = tokens[rows], lengths[rows]
-            # The drafter cannot look past its own position limit: shrink the block near it.
-            block = max(0, min(k, self.drafter.max_positions() - 1 - int(row_lengths.max())))
+            # The drafter cannot look past its own position limit: shrink the drafts near it.
+            room = self.drafter.max_positions() - 1 - int(row_lengths.max())
+            plan = self.plan if room >= self.plan.depth else self.plan.shrink(max(room, 0))
             # 1. draft
-            drafts = self.drafter.propose(drafter_state, row_tokens, row_lengths, block)
-            # 2. score [pending token, drafts] in one verifier pass
+            tree = self.drafter.propose(drafter_state, row_tokens, row_lengths, plan, rng)
+            # 2. score [pending token, tree nodes] in one verifier pass
             pending = row_tokens.gather(1, row_lengths.unsqueeze(1))
-            logprobs = self.verifier.score_block(verifier_state, torch.cat([pending, drafts], 1))
-            logprobs = self._search_constraints(logprobs, row_lengths, max_len)
-            # 3. accept
-            n_accepted, next_tokens = accept_top_beta(
-                drafts, logprobs, self.beta, self.tau, self.eos
-            )
-            emitted, n_emitted, ended = _emitted_tokens(drafts, n_accepted, next_tokens, self.eos)
-            # 4. commit: append, roll the verifier back, let finished sentences leave
-            slots = row_lengths.unsqueeze(1) + 1 + torch.arange(block + 1, device=rows.device)
+            depths = block_depths(tree)
+            visible = None if plan.branching == (1,) * plan.depth else block_visibility(tree.parents)
+            block = torch.cat([pending, tree.tokens], dim=1)
+            logprobs = self.verifier.score_block(verifier_state, block, depths, visible)
+            logprobs = self._search_constraints(logprobs, row_lengths, depths, max_len)
+            # 3. accept a path, then the correction/bonus token
+            path, n_accepted, next_tokens = self._accept(tree, logprobs, rng)
+            path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
+            emitted, n_emitted, ended = _emitted_tokens(path_tokens, n_accepted, next_tokens, self.eos)
+            # 4. commit: append, keep [pending, accepted path] in both caches, drop finished rows
+            kept_entries = torch.cat([torch.zeros_like(pending), path.clamp(min=0) + 1], dim=1)
+            slots = row_lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=rows.device)
             tokens[rows] = row_tokens.scatter(1, slots, emitted)
-            emitted_scores = logprobs.gather(2, emitted.unsqueeze(2)).squeeze(2)
+            index = kept_entries.unsqueeze(2).expand(-1, -1, logprobs.size(2))
+            emitted_scores = logprobs.gather(1, index).gather(2, emitted.unsqueeze(2)).squeeze(2)
             token_scores[rows] = token_scores[rows].scatter(1, slots - 1, emitted_scores)
             lengths[rows] += n_emitted
             iterations[rows] += 1
             accepted[rows] += n_accepted
-            self.verifier.commit(verifier_state, n_accepted + 1)
+            self.verifier.commit(verifier_state, kept_entries, n_accepted + 1)
+            self.drafter.commit(drafter_state, kept_entries, n_accepted + 1)
             self.stats.batched_verifier_calls += 1
-            self.stats.drafted_tokens += block * rows.numel()
+            self.stats.drafted_tokens += int(tree.valid.sum())
             for row in rows[ended].tolist():
                 hypothesis = self._hypothesis(tokens[row], token_scores[row], lengths[row])
                 hypothesis["spec_iterations"] = int(iterations[row])
@@ -159,19 +192,41 @@ class SpeculativeGenerator:
         self.stats.output_tokens += int(lengths.sum())
         return finalized
 
+    def _accept(self, tree: DraftTree, logprobs: Tensor, rng: torch.Generator):
+        """(path [B, depth] of accepted node indices padded with -1, n_accepted [B],
+        next token [B]) under the configured rule."""
+        if self.verify == "rsd":
+            probs = sampling_probs(logprobs, self.sampling_topk, self.sampling_topp)
+            return recursive_rejection(tree, probs, self.eos, rng)
+        if self.verify == "sampling":
+            probs = sampling_probs(logprobs, self.sampling_topk, self.sampling_topp)
+            k = tree.tokens.size(1)
+            n_accepted, next_tokens = speculative_sample(
+                tree.tokens, tree.draft_probs[:, :k], probs, self.eos, rng
+            )
+        else:
+            n_accepted, next_tokens = accept_top_beta(
+                tree.tokens, logprobs, self.beta, self.tau, self.eos
+            )
+        chain = torch.arange(tree.tokens.size(1), device=logprobs.device).expand_as(tree.tokens)
+        path = torch.where(chain < n_accepted.unsqueeze(1), chain, torch.full_like(chain, -1))
+        return path, n_accepted, next_tokens
+
     def _select(self, verifier_state, drafter_state, keep: Tensor):
         """Keep only rows ``keep``: the verifier's state changes in place, the drafter's new state
         is returned."""
         self.verifier.select_rows(verifier_state, keep)
         return self.drafter.select_rows(drafter_state, keep)
 
-    def _search_constraints(self, logprobs: Tensor, lengths: Tensor, max_len: int) -> Tensor:
+    def _search_constraints(
+        self, logprobs: Tensor, lengths: Tensor, depths: Tensor, max_len: int
+    ) -> Tensor:
         """The adjustments SequenceGenerator makes to every step's log-probs, for every block
-        position at once (the token predicted at block position i is output step lengths + i)."""
+        entry at once (the token predicted at an entry of depth d is output step lengths + d)."""
         logprobs = logprobs.masked_fill(logprobs != logprobs, float("-inf"))
         logprobs[:, :, self.pad] = float("-inf")
         logprobs[:, :, self.unk] -= self.unk_penalty
-        steps = lengths.unsqueeze(1) + torch.arange(logprobs.size(1), device=lengths.device)
+        steps = lengths.unsqueeze(1) + depths
         not_eos = torch.ones(logprobs.size(2), dtype=torch.bool, device=logprobs.device)
         not_eos[self.eos] = False
         force_eos = steps.ge(max_len).unsqueeze(2) & not_eos
@@ -199,7 +254,8 @@ class SpeculativeGenerator:
 
 
 def _emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos: int):
-    """What an iteration appends to each row: tokens [B, k+1] (the accepted drafts, then the
+    """What an iteration appends to each row, given the drafts along the accepted path [B, k]
+    (the first n_accepted count): tokens [B, k+1] (the accepted drafts, then the
     correction/bonus token unless an accepted EOS ended the sentence), how many of them count
     [B], and whether the row is finished [B]."""
     k = drafts.size(1)

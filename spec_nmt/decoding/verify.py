@@ -7,7 +7,7 @@ verifier puts after them: the *correction* token at the first rejection, or the 
 a fully accepted block.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -68,3 +68,86 @@ def accept_top_beta(
     n_accepted = passes.long().cumprod(dim=1).sum(dim=1)
     next_tokens = next_candidates.gather(1, n_accepted.unsqueeze(1)).squeeze(1)
     return n_accepted, next_tokens
+
+
+def check_sampling_params(temperature: float, topk: int, topp: float) -> None:
+    """Raise a one-line error for sampling settings no distribution can be made from."""
+    if not temperature > 0:
+        raise SpecNmtError(f"--temperature must be > 0, got {temperature}")
+    if int(topk) != topk or (topk < 1 and topk != -1):
+        raise SpecNmtError(f"--sampling-topk must be a positive integer (or -1 for all), got {topk}")
+    if topp != -1.0 and not 0 < topp <= 1:
+        raise SpecNmtError(f"--sampling-topp must be in (0, 1] (or -1 for all), got {topp}")
+
+
+def sampling_probs(logprobs: Tensor, topk: int = -1, topp: float = -1.0) -> Tensor:
+    """The distribution fairseq's ``--sampling`` draws from, normalised: [..., V] log-probs
+    (temperature already applied) → probs. As in fairseq's ``Sampling`` search, top-p wins over
+    top-k, and top-p keeps the smallest set of best tokens whose mass reaches p."""
+    probs = logprobs.float().exp()
+    if topp > 0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep_sorted = mass_before < topp
+        keep_sorted[..., 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+    elif topk > 0:
+        threshold = probs.topk(min(topk, probs.size(-1)), dim=-1).values[..., -1:]
+        probs = probs * (probs >= threshold)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def residual(verifier_probs: Tensor, draft_probs: Tensor) -> Tensor:
+    """norm(max(0, q - p)): where to sample after rejecting a draft taken from p [..., V].
+
+    Where q <= p everywhere (only possible when q == p, when no draft is ever rejected, or from
+    float rounding) the residual has no mass; q itself is then returned.
+    """
+    excess = (verifier_probs - draft_probs).clamp(min=0)
+    mass = excess.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, excess / mass.clamp(min=1e-30), verifier_probs)
+
+
+def sample_from(probs: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+    """One token per row of probs [..., V] (rows need not be normalised)."""
+    flat = probs.reshape(-1, probs.size(-1))
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def speculative_sample(
+    draft_tokens: Tensor,  # [B, k] long, d_i drawn from draft_probs[:, i]
+    draft_probs: Tensor,  # [B, k, V] p_i
+    verifier_probs: Tensor,  # [B, k+1, V] q_i (q_k gives the bonus token)
+    eos: int,
+    generator: Optional[torch.Generator] = None,
+    uniforms: Optional[Tensor] = None,  # [B, k]; drawn from generator when None
+) -> Tuple[Tensor, Tensor]:
+    """Speculative sampling (Leviathan et al., 2023; Chen et al., 2023): accept d_i with
+    probability min(1, q_i(d_i) / p_i(d_i)) while all earlier drafts were accepted; at the first
+    rejection the next token is a *correction* from norm(max(0, q_i - p_i)); after a fully
+    accepted block it is a *bonus* token from q_k. The output is distributed exactly as sampling
+    from q. Nothing is accepted after an accepted EOS.
+
+    Returns ``(n_accepted [B], next_tokens [B])``.
+    """
+    batch, k = draft_tokens.shape
+    if uniforms is None:
+        uniforms = torch.rand(batch, k, generator=generator, device=draft_tokens.device)
+    index = draft_tokens.unsqueeze(-1)
+    q_of_draft = verifier_probs[:, :k].gather(-1, index).squeeze(-1)
+    p_of_draft = draft_probs.gather(-1, index).squeeze(-1)
+    # u < q/p, written without a division so that p = 0 (never drawn) cannot produce NaN.
+    passes = uniforms * p_of_draft < q_of_draft
+    eos_before = torch.zeros_like(passes)
+    eos_before[:, 1:] = draft_tokens[:, :-1].eq(eos).cumsum(dim=1).gt(0)
+    passes &= ~eos_before
+    n_accepted = passes.long().cumprod(dim=1).sum(dim=1)
+
+    rows = torch.arange(batch, device=draft_tokens.device)
+    q_next = verifier_probs[rows, n_accepted]  # [B, V]
+    rejected = n_accepted < k
+    p_next = torch.zeros_like(q_next)
+    p_next[rejected] = draft_probs[rows[rejected], n_accepted[rejected]].to(q_next.dtype)
+    next_dist = torch.where(rejected.unsqueeze(1), residual(q_next, p_next), q_next)
+    return n_accepted, sample_from(next_dist, generator)

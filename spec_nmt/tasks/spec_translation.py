@@ -3,7 +3,9 @@
 * training a Spec-Drafter: every target is cut at a random point c; the decoder input becomes
   BOS + y[:c] + k [MASK]s and the labels y[c:c+k] (EOS included, padding past the end);
 * speculative decoding: with ``--drafter-path``, ``build_generator`` returns the speculative
-  generator, so ``fairseq-generate`` and ``fairseq-interactive`` decode with it unchanged.
+  generator, so ``fairseq-generate`` and ``fairseq-interactive`` decode with it unchanged. The
+  drafter is a Spec-Drafter (non-autoregressive) or any stock fairseq Transformer trained with
+  ``--task translation`` (autoregressive); ``--verify`` picks the rule.
 """
 
 import atexit
@@ -16,17 +18,20 @@ from typing import Optional
 
 import torch
 from fairseq import checkpoint_utils
+from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from spec_nmt.decoding.drafters import NarDrafter
+from spec_nmt.decoding.drafters import ArDrafter, DraftPlan, NarDrafter
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
-from spec_nmt.decoding.verify import check_top_beta_params
+from spec_nmt.decoding.verify import check_sampling_params, check_top_beta_params
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel
 
 logger = logging.getLogger(__name__)
+
+VERIFY_CHOICES = ChoiceEnum(["top_beta", "sampling", "rsd"])
 
 
 @dataclass
@@ -62,6 +67,30 @@ class SpecTranslationConfig(TranslationConfig):
             "verifier's best (--beta 1 --tau 0 is lossless: exactly the verifier's greedy output)"
         },
     )
+    verify: VERIFY_CHOICES = field(
+        default="top_beta",
+        metadata={
+            "help": "verification rule: top_beta (greedy drafts, --beta/--tau), sampling "
+            "(speculative sampling of a drafted chain) or rsd (recursive rejection sampling "
+            "over a draft tree); sampling and rsd sample exactly from the verifier, with "
+            "--temperature, --sampling-topk, --sampling-topp and --seed"
+        },
+    )
+    tree_branching: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "--verify rsd, RSD-C: comma-separated children per node at each depth "
+            "(e.g. 3,2,2,1: the tree is as deep as the list is long), drawn without "
+            "replacement by Gumbel-top-k"
+        },
+    )
+    tree_budget: int = field(
+        default=0,
+        metadata={
+            "help": "--verify rsd, RSD-S: tree nodes per iteration; stochastic beam search with "
+            "width tree-budget // block-size over block-size levels"
+        },
+    )
 
 
 @register_task("spec_translation", dataclass=SpecTranslationConfig)
@@ -74,6 +103,7 @@ class SpecTranslationTask(TranslationTask):
         if cfg.cuts_per_sentence < 1:
             raise SpecNmtError(f"--cuts-per-sentence must be >= 1, got {cfg.cuts_per_sentence}")
         check_top_beta_params(cfg.beta, cfg.tau)
+        self.draft_plan = _draft_plan(cfg)
         super().__init__(cfg, src_dict, tgt_dict)
         self._drafter_dicts = None
         self._source_token_limit = None
@@ -157,21 +187,29 @@ class SpecTranslationTask(TranslationTask):
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
-        _check_generation_args(args, len(models))
-        verifier = TransformerVerifier(models[0], temperature=getattr(args, "temperature", 1.0))
-        drafter = self.load_drafter(self.cfg.drafter_path, models[0])
+        _check_generation_args(args, len(models), self.cfg.verify)
+        temperature = getattr(args, "temperature", 1.0)
+        topk, topp = getattr(args, "sampling_topk", -1), getattr(args, "sampling_topp", -1.0)
+        check_sampling_params(temperature, topk, topp)
+        verifier = TransformerVerifier(models[0], temperature=temperature)
+        drafter, drafter_model = self.load_drafter(self.cfg.drafter_path, models[0])
         self._source_token_limit = min(
             self.cfg.max_source_positions,
             models[0].encoder.max_positions(),
-            drafter.model.encoder.max_positions(),
+            drafter_model.encoder.max_positions(),
         )
         generator = SpeculativeGenerator(
             verifier,
             drafter,
             self.target_dictionary,
-            block_size=self.cfg.block_size,
+            plan=self.draft_plan,
+            verify=self.cfg.verify,
             beta=self.cfg.beta,
             tau=self.cfg.tau,
+            sampling_topk=topk,
+            sampling_topp=topp,
+            # fairseq-generate/-interactive seed torch with --seed just before this call
+            seed=torch.initial_seed(),
             max_len_a=getattr(args, "max_len_a", 0),
             max_len_b=getattr(args, "max_len_b", 200),
             min_len=getattr(args, "min_len", 1),
@@ -182,8 +220,9 @@ class SpecTranslationTask(TranslationTask):
         atexit.register(generator.log_summary)
         return generator
 
-    def load_drafter(self, path: str, verifier_model) -> NarDrafter:
-        """Load a Spec-Drafter checkpoint onto the verifier's device and dtype."""
+    def load_drafter(self, path: str, verifier_model):
+        """Load a drafter checkpoint onto the verifier's device and dtype: a Spec-Drafter, or a
+        stock Transformer translation model (autoregressive drafter). Returns (adapter, model)."""
         if not os.path.isfile(path):
             raise SpecNmtError(f"--drafter-path {path}: no such file")
         try:
@@ -194,15 +233,27 @@ class SpecTranslationTask(TranslationTask):
                 f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
             ) from error
         arch = _checkpoint_arch(state)
-        if arch is None or not arch.startswith("spec_drafter"):
+        autoregressive = arch is not None and arch.startswith("transformer")
+        if arch is None or not (arch.startswith("spec_drafter") or autoregressive):
             raise SpecNmtError(
-                f"--drafter-path {path} is not a Spec-Drafter checkpoint (arch {arch}); train "
-                "one with --task spec_translation --arch spec_drafter_small (or spec_drafter_base)"
+                f"--drafter-path {path} is neither a Spec-Drafter nor a Transformer checkpoint "
+                f"(arch {arch}); train one with --task spec_translation --arch spec_drafter_small "
+                "or with --task translation --arch transformer"
             )
+        if autoregressive:
+            embeddings = state["model"].get("decoder.embed_tokens.weight")
+            if embeddings is not None and embeddings.size(0) != len(self.target_dictionary):
+                raise SpecNmtError(
+                    f"--drafter-path {path} has {embeddings.size(0)} target symbols but the "
+                    f"dictionary in {self.cfg.data} has {len(self.target_dictionary)}: drafter "
+                    "and verifier must share the data directory's dictionary"
+                )
         (model,), _ = checkpoint_utils.load_model_ensemble([path], task=self, state=state)
         reference = next(verifier_model.parameters())
         model = model.to(device=reference.device, dtype=reference.dtype).eval()
-        return NarDrafter(model, pad=self.target_dictionary.pad())
+        adapter = ArDrafter if autoregressive else NarDrafter
+        dictionary = self.target_dictionary
+        return adapter(model, pad=dictionary.pad(), eos=dictionary.eos()), model
 
     def get_interactive_tokens_and_lengths(self, lines, encode_fn):
         """Encode input lines; a line longer than the models accept is cut to fit (with a
@@ -253,7 +304,38 @@ def _beam_given_on_command_line() -> bool:
     return any(arg == "--beam" or arg.startswith("--beam=") for arg in sys.argv[1:])
 
 
-def _check_generation_args(args, n_models: int) -> None:
+def _draft_plan(cfg: SpecTranslationConfig) -> DraftPlan:
+    """The drafts' shape from the flags; one-line errors for combinations that make no sense."""
+    if cfg.verify != "rsd":
+        if cfg.tree_branching or cfg.tree_budget:
+            raise SpecNmtError("--tree-branching and --tree-budget need --verify rsd")
+        return DraftPlan.chain(cfg.block_size, sample=cfg.verify == "sampling")
+    if bool(cfg.tree_branching) == bool(cfg.tree_budget):
+        raise SpecNmtError(
+            "--verify rsd needs exactly one of --tree-branching (RSD-C, e.g. 3,2,2,1) and "
+            "--tree-budget (RSD-S, nodes per iteration)"
+        )
+    if cfg.tree_branching:
+        try:
+            branching = tuple(int(part) for part in cfg.tree_branching.split(","))
+        except ValueError:
+            branching = ()
+        if not branching or min(branching) < 1:
+            raise SpecNmtError(
+                "--tree-branching must be comma-separated positive integers (children per "
+                f"node at each depth, e.g. 3,2,2,1), got {cfg.tree_branching!r}"
+            )
+        return DraftPlan(branching=branching, sample=True)
+    width = cfg.tree_budget // cfg.block_size
+    if width < 1:
+        raise SpecNmtError(
+            f"--tree-budget {cfg.tree_budget} is smaller than --block-size {cfg.block_size}: "
+            "RSD-S needs at least one node per level"
+        )
+    return DraftPlan(beam_width=width, beam_depth=cfg.block_size, sample=True)
+
+
+def _check_generation_args(args, n_models: int, verify: str) -> None:
     """Reject generation flags that speculative decoding cannot honour, one line each."""
     if n_models != 1:
         raise SpecNmtError("speculative decoding takes exactly one verifier in --path")
@@ -261,11 +343,15 @@ def _check_generation_args(args, n_models: int) -> None:
     if getattr(args, "beam", 1) != 1 and _beam_given_on_command_line():
         raise SpecNmtError(
             f"--beam {args.beam} cannot be combined with --drafter-path: speculative decoding "
-            "verifies greedy decoding (drop --beam or use --beam 1)"
+            "verifies greedy decoding or sampling (drop --beam or use --beam 1)"
+        )
+    if verify == "top_beta" and getattr(args, "sampling", False):
+        raise SpecNmtError(
+            "--sampling with --drafter-path needs --verify sampling or --verify rsd "
+            "(top_beta verifies greedy decoding)"
         )
     unsupported = {
         "nbest": (1, "--nbest must be 1 with --drafter-path (one hypothesis per sentence)"),
-        "sampling": (False, "--sampling is not available with --drafter-path"),
         "prefix_size": (0, "--prefix-size is not supported with --drafter-path"),
         "constraints": (None, "--constraints are not supported with --drafter-path"),
         "match_source_len": (False, "--match-source-len is not supported with --drafter-path"),

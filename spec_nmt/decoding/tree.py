@@ -1,0 +1,183 @@
+"""Draft trees (pure tensor code: no models, no caches).
+
+A draft tree hangs below the *root*, the pending token (the last verified one, not yet fed to the
+verifier). Nodes are stored level by level, so every row of a batch shares the depth of each node
+index; a chain of k drafts is the tree whose node i has parent i-1. The verifier scores the block
+``[root, node_0 .. node_{N-1}]``; block entry 0 is the root and entry i+1 is node i.
+
+Siblings are drawn *without replacement* (Gumbel-top-k, or stochastic beam search over whole
+sequences, Kool et al., 2019) and stored in the order they were drawn, which is the order
+recursive rejection sampling (Jeon et al., 2024) tries them in. Letters as in verify.py: p is the
+drafter, q the verifier.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from spec_nmt.decoding.verify import residual, sample_from
+
+
+class DraftTree(NamedTuple):
+    tokens: Tensor  # [B, N] node tokens
+    parents: Tensor  # [B, N] parent node index, -1 for the root
+    depths: Tensor  # [N] depth of each node (1 = child of the root), non-decreasing
+    valid: Tensor  # [B, N] False for slots that hold no draft (never accepted)
+    # [B, N+1, V] the drafter distribution each entry's children were drawn from (entry 0 is
+    # the root); None for greedy drafts, which the top-beta rule judges without p.
+    draft_probs: Optional[Tensor] = None
+
+
+def chain(tokens: Tensor, draft_probs: Optional[Tensor] = None) -> DraftTree:
+    """The tree of a single drafted block [B, k]: node i's parent is node i-1."""
+    batch, k = tokens.shape
+    parents = torch.arange(-1, k - 1, device=tokens.device).expand(batch, k)
+    depths = torch.arange(1, k + 1, device=tokens.device)
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    return DraftTree(tokens, parents, depths, valid, draft_probs)
+
+
+def block_visibility(parents: Tensor) -> Tensor:
+    """Tree attention: [B, N+1, N+1] bool, entry j visible to entry i iff j is i or an ancestor
+    of i (the root, entry 0, is everybody's ancestor)."""
+    batch, n = parents.shape
+    entry_parent = torch.cat([parents.new_zeros(batch, 1), parents + 1], dim=1)  # root → itself
+    visible = torch.eye(n + 1, dtype=torch.bool, device=parents.device).repeat(batch, 1, 1)
+    ancestor = torch.arange(n + 1, device=parents.device).expand(batch, -1)
+    depth = 0  # climb one level per step until every entry has reached the root
+    while bool(ancestor.ne(0).any()) and depth < n:
+        depth += 1
+        ancestor = entry_parent.gather(1, ancestor)
+        visible.scatter_(2, ancestor.unsqueeze(2), True)
+    return visible
+
+
+def block_depths(tree: DraftTree) -> Tensor:
+    """Depth of every block entry [N+1]: 0 for the root."""
+    return torch.cat([tree.depths.new_zeros(1), tree.depths])
+
+
+def gumbel_top_k(
+    logprobs: Tensor, k: int, generator: Optional[torch.Generator]
+) -> Tuple[Tensor, Tensor]:
+    """k tokens per row of logprobs [..., V] drawn without replacement, in draw order
+    (Gumbel-top-k). Returns (tokens [..., k], drawn [..., k]); drawn is False where fewer than
+    k tokens have mass."""
+    noise = -torch.empty_like(logprobs).exponential_(generator=generator).log()
+    scores, tokens = (logprobs + noise).topk(k, dim=-1)
+    return tokens, scores.isfinite()
+
+
+def stochastic_beam_step(
+    beam_logprobs: Tensor,  # [B, W] log p of each beam's sequence (phi)
+    beam_scores: Tensor,  # [B, W] the beam's perturbed score G; -inf for no beam
+    child_logprobs: Tensor,  # [B, W, V] log p of each next token after each beam
+    width: int,
+    generator: Optional[torch.Generator],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One level of stochastic beam search (Kool et al., 2019): perturb every extension with
+    Gumbel noise conditioned on its parent's perturbed score being the maximum, keep the
+    ``width`` best. The kept sequences are a sample without replacement from p over sequences.
+
+    Returns (parent beam [B, width], token [B, width], logprob [B, width], score [B, width]),
+    best first; score is -inf where fewer extensions exist.
+    """
+    batch, beams, vocab = child_logprobs.shape
+    logprobs = beam_logprobs.unsqueeze(2) + child_logprobs
+    noise = -torch.empty_like(logprobs).exponential_(generator=generator).log()
+    perturbed = logprobs + noise
+    top = perturbed.max(dim=2, keepdim=True).values
+    parent_score = beam_scores.unsqueeze(2)
+    # G = -log(exp(-T) - exp(-Z) + exp(-perturbed)), in the stable form of Kool et al. (App. B)
+    v = parent_score - perturbed + _log1mexp(perturbed - top)
+    scores = parent_score - v.clamp(min=0) - torch.log1p(torch.exp(-v.abs()))
+    has_mass = logprobs.isfinite() & parent_score.isfinite()
+    scores = torch.where(has_mass, scores, torch.full_like(scores, float("-inf")))
+    best, flat = scores.view(batch, -1).topk(width, dim=1)
+    parent, token = flat // vocab, flat % vocab
+    return parent, token, logprobs.view(batch, -1).gather(1, flat), best
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x <= 0, accurate on both sides of -log 2."""
+    x = x.clamp(max=0)
+    return torch.where(
+        x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x))
+    )
+
+
+def children_table(tree: DraftTree) -> Tensor:
+    """[B, N+1, C]: the valid children of every block entry in draw order, padded with -1."""
+    batch, n = tree.parents.shape
+    parent_entry = torch.where(tree.valid, tree.parents + 1, torch.full_like(tree.parents, -1))
+    same_parent = parent_entry.unsqueeze(2).eq(parent_entry.unsqueeze(1))  # [B, N, N]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=tree.tokens.device).tril(-1)
+    rank = (same_parent & earlier).sum(dim=2)  # sibling rank of each node
+    width = int(rank.max()) + 1 if n else 1
+    table = torch.full((batch, n + 2, width), -1, dtype=torch.long, device=tree.tokens.device)
+    # invalid nodes go to a scratch entry (the last) that is dropped below
+    target = torch.where(parent_entry >= 0, parent_entry, torch.full_like(parent_entry, n + 1))
+    nodes = torch.arange(n, device=tree.tokens.device).expand(batch, n)
+    table.view(batch, -1).scatter_(1, target * width + rank, nodes)
+    return table[:, : n + 1]
+
+
+def recursive_rejection(
+    tree: DraftTree,
+    verifier_probs: Tensor,  # [B, N+1, V] q at every block entry
+    eos: int,
+    generator: Optional[torch.Generator] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Recursive rejection sampling down a draft tree (Jeon et al., 2024).
+
+    At the current entry, try its children x_1, x_2, ... in draw order: accept x_i with
+    probability min(1, q_i(x_i) / p_i(x_i)), where p_1 is the drafter distribution the siblings
+    were drawn from and p_{i+1} is p_i without x_i, renormalised (sampling without replacement);
+    after each rejection q_{i+1} = norm(max(0, q_i - p_i)). An accepted child becomes the current
+    entry; when all children are rejected (or there are none), the next token is sampled from
+    the last residual (a *correction*, or a *bonus* token from q at a leaf). The output is
+    distributed exactly as sampling from q. An accepted EOS ends the sentence.
+
+    Returns (path [B, depth] accepted node indices padded with -1, n_accepted [B],
+    next_tokens [B]; meaningless where the path ends with EOS).
+    """
+    batch, n = tree.tokens.shape
+    device = tree.tokens.device
+    max_depth = int(tree.depths.max()) if n else 0
+    children = children_table(tree)
+    rows = torch.arange(batch, device=device)
+    current = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, max(max_depth, 1)), -1, dtype=torch.long, device=device)
+    n_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
+    for depth in range(max_depth + 1):
+        target = verifier_probs[rows, current].float()
+        draft = tree.draft_probs[rows, current].float()
+        chosen = torch.full_like(current, -1)
+        for sibling in range(children.size(2)):
+            child = children[rows, current, sibling]
+            trying = active & chosen.lt(0) & child.ge(0)
+            if not trying.any():
+                break
+            token = tree.tokens[rows, child.clamp(min=0)].unsqueeze(1)
+            u = torch.rand(batch, generator=generator, device=device)
+            accept = trying & (u * draft.gather(1, token).squeeze(1) < target.gather(1, token).squeeze(1))
+            chosen = torch.where(accept, child, chosen)
+            reject = (trying & ~accept).unsqueeze(1)
+            target = torch.where(reject, residual(target, draft), target)
+            without = draft.scatter(1, token, 0.0)
+            without = without / without.sum(dim=1, keepdim=True).clamp(min=1e-30)
+            draft = torch.where(reject, without, draft)
+        stops = active & chosen.lt(0)
+        if stops.any():
+            next_tokens = torch.where(stops, sample_from(target, generator), next_tokens)
+        goes = active & chosen.ge(0)
+        if depth < path.size(1):
+            path[:, depth] = torch.where(goes, chosen, path[:, depth])
+        n_accepted += goes.long()
+        ended = goes & tree.tokens[rows, chosen.clamp(min=0)].eq(eos)
+        active = goes & ~ended
+        current = torch.where(goes, chosen + 1, current)
+    return path, n_accepted, next_tokens
