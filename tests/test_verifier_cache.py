@@ -1,4 +1,4 @@
-"""Block scoring and cache rollback of the verifier adapter against full recomputation."""
+"""Block and tree scoring and cache rollback of the verifier adapter against full recomputation."""
 
 from argparse import Namespace
 from types import SimpleNamespace
@@ -8,6 +8,7 @@ import torch
 from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerModel, base_architecture
 
+from spec_nmt.decoding.tree import block_visibility
 from spec_nmt.decoding.verifier import TransformerVerifier
 
 VOCAB = 24
@@ -127,3 +128,82 @@ def test_rollback_never_touches_encoder_attention_state():
     self_keys = model.decoder.layers[0].self_attn._get_input_buffer(state.incremental_state)
     assert self_keys["prev_key"].size(2) == 3  # longest row kept 3 entries
     assert state.fed_lengths.tolist() == [1, 3]  # row 0's slots 1 and 2 are holes
+
+
+# root → nodes 0, 1; node 0 → 2, 3; node 1 → 4; node 2 → 5 (entries: root, then node i at i+1)
+TREE_PARENTS = [-1, -1, 0, 0, 1, 2]
+TREE_DEPTHS = [1, 1, 2, 2, 2, 3]
+
+
+def path_to(parents, node):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def prefixed_state(verifier, dictionary, net_input, keep):
+    """A state whose rows have committed different prefixes (so the cache has holes)."""
+    state = verifier.start(net_input)
+    batch = len(keep)
+    first = torch.cat([torch.full((batch, 1), dictionary.eos()), random_tokens(dictionary, batch, 3)], 1)
+    verifier.score_block(state, first)
+    commit_prefix(verifier, state, 4, keep)
+    return state, [first[b, : keep[b]] for b in range(batch)]
+
+
+@pytest.mark.parametrize("learned_positions", [False, True])
+@torch.no_grad()
+def test_tree_scores_equal_each_path_decoded_alone(learned_positions):
+    model, dictionary = tiny_transformer(learned_positions)
+    verifier = TransformerVerifier(model)
+    net_input = source_batch(dictionary, 2)
+    state, prefixes = prefixed_state(verifier, dictionary, net_input, [4, 2])
+    parents = torch.tensor([TREE_PARENTS, TREE_PARENTS])
+    parents[1] = torch.tensor([-1, -1, 1, 0, 0, 3])  # another shape in the other row
+    block = random_tokens(dictionary, 2, 7)  # root (pending token) + 6 nodes
+    depths = torch.tensor([0] + TREE_DEPTHS)
+    scores = verifier.score_block(state, block, depths, block_visibility(parents))
+    for b in range(2):
+        row_input = {k: v[b : b + 1] for k, v in net_input.items()}
+        for node in range(-1, 6):
+            path = [0] + [n + 1 for n in path_to(parents[b].tolist(), node)]
+            sequence = torch.cat([prefixes[b], block[b, path]]).unsqueeze(0)
+            reference = full_forward_logprobs(model, row_input, sequence)[0, -1]
+            torch.testing.assert_close(scores[b, node + 1], reference, atol=2e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation():
+    """How the autoregressive drafter uses the scorer: root, then one level per call, each
+    seeing its ancestors among the uncommitted entries; then keep one path."""
+    model, dictionary = tiny_transformer(seed=3)
+    verifier = TransformerVerifier(model)
+    net_input = source_batch(dictionary, 2)
+    state, prefixes = prefixed_state(verifier, dictionary, net_input, [3, 1])
+    parents = torch.tensor([TREE_PARENTS, TREE_PARENTS])
+    visible = block_visibility(parents)
+    tokens = random_tokens(dictionary, 2, 7)
+    levels = [(0, 1), (1, 3), (3, 6), (6, 7)]  # entry ranges: root, depth 1, 2, 3
+    for start, end in levels:
+        depth = torch.tensor([0] + TREE_DEPTHS)[start:end]
+        scores = verifier.score_block(state, tokens[:, start:end], depth, visible[:, start:end, :end])
+        for b in range(2):
+            row_input = {k: v[b : b + 1] for k, v in net_input.items()}
+            for entry in range(start, end):
+                path = [0] + [n + 1 for n in path_to(TREE_PARENTS, entry - 1)]
+                sequence = torch.cat([prefixes[b], tokens[b, path]]).unsqueeze(0)
+                reference = full_forward_logprobs(model, row_input, sequence)[0, -1]
+                torch.testing.assert_close(scores[b, entry - start], reference, atol=2e-5, rtol=1e-5)
+    # row 0 keeps root → node 0 → node 2 → node 5, row 1 keeps root → node 1
+    keep = torch.tensor([[0, 1, 3, 6], [0, 2, 0, 0]])
+    verifier.commit(state, keep, torch.tensor([4, 2]))
+    following = random_tokens(dictionary, 2, 2)
+    scores = verifier.score_block(state, following)
+    for b in range(2):
+        row_input = {k: v[b : b + 1] for k, v in net_input.items()}
+        kept = tokens[b, keep[b, : [4, 2][b]]]
+        sequence = torch.cat([prefixes[b], kept, following[b]]).unsqueeze(0)
+        reference = full_forward_logprobs(model, row_input, sequence)[0, -2:]
+        torch.testing.assert_close(scores[b], reference, atol=2e-5, rtol=1e-5)

@@ -136,6 +136,8 @@ class NarDrafter:
     def __init__(self, model, pad: int, eos: int):
         self.model = model
         self.mask = model.decoder.mask_idx
+        if self.mask != len(model.decoder.dictionary) - 1:
+            raise ValueError("the Spec-Drafter's [MASK] must be its dictionary's last symbol")
         self.pad, self.eos = pad, eos
 
     def max_positions(self) -> int:
@@ -155,18 +157,20 @@ class NarDrafter:
             tokens[:, :width],
             torch.where(slots < prefix_end + k, self.mask, self.pad),
         )
-        logits, _ = self.model.decoder(decoder_input, encoder_out)
+        logits, _ = self.model.decoder(decoder_input, encoder_out)  # at the masks only
+        # [MASK] is the drafter's last symbol, appended to the verifier's dictionary: dropping
+        # its column leaves distributions over exactly the verifier's vocabulary.
+        logits = logits[:, :, : self.mask].float()
         logits[:, :, self.pad] = float("-inf")
-        logits[:, :, self.mask] = float("-inf")
-        index = (prefix_end + torch.arange(k, device=tokens.device)).clamp(max=width - 1)
-        logits = logits.gather(1, index.unsqueeze(2).expand(-1, -1, logits.size(2)))
-        return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(logits, dim=-1)
 
     def propose(self, encoder_out, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
         depth = plan.depth
         logprobs = self.position_logprobs(encoder_out, tokens, lengths, depth)
 
         def expand(level_tokens: Tensor, _visible, level_depth: int) -> Tensor:
+            if depth == 0:  # no drafts at all (position limit): no distribution is needed
+                return logprobs.new_zeros(level_tokens.size(0), level_tokens.size(1), logprobs.size(2))
             position = logprobs[:, min(level_depth, depth - 1)]
             return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
 

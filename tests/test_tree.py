@@ -1,0 +1,192 @@
+"""Draft trees and the sampling rules on hand-built trees and distributions (no models)."""
+
+import pytest
+import torch
+from fairseq.data import Dictionary
+from fairseq.search import Sampling
+
+from spec_nmt.decoding import tree as trees
+from spec_nmt.decoding.drafters import DraftPlan, grow_tree
+from spec_nmt.decoding.verify import residual, sampling_probs, speculative_sample
+from tests.stats import chi_square_pvalue
+
+EOS = 2
+
+#        root
+#       /    \
+#      0      1
+#     / \     |
+#    2   3    4
+#    |
+#    5
+PARENTS = torch.tensor([[-1, -1, 0, 0, 1, 2]])
+DEPTHS = torch.tensor([1, 1, 2, 2, 2, 3])
+
+
+def test_block_visibility_of_a_hand_drawn_tree():
+    visible = trees.block_visibility(PARENTS)[0].int().tolist()
+    # entries: root, then node i at entry i+1; each row: itself and its ancestors
+    assert visible == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 1, 0, 0, 1],
+    ]
+
+
+def test_a_chain_is_causal():
+    chain = trees.chain(torch.tensor([[5, 6, 7]]))
+    visible = trees.block_visibility(chain.parents)[0]
+    assert torch.equal(visible, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert trees.block_depths(chain).tolist() == [0, 1, 2, 3]
+
+
+def test_children_table_keeps_draw_order_and_skips_empty_slots():
+    valid = torch.tensor([[True, True, True, False, True, True]])
+    tree = trees.DraftTree(torch.arange(6).unsqueeze(0), PARENTS, DEPTHS, valid)
+    table = trees.children_table(tree)[0].tolist()
+    assert table == [[0, 1], [2, -1], [4, -1], [5, -1], [-1, -1], [-1, -1], [-1, -1]]
+
+
+def test_residual_on_hand_built_distributions():
+    q = torch.tensor([0.5, 0.3, 0.2])
+    p = torch.tensor([0.2, 0.6, 0.2])
+    assert torch.allclose(residual(q, p), torch.tensor([1.0, 0.0, 0.0]))
+    q = torch.tensor([0.4, 0.4, 0.2])
+    p = torch.tensor([0.1, 0.3, 0.6])
+    assert torch.allclose(residual(q, p), torch.tensor([0.75, 0.25, 0.0]))
+    assert torch.equal(residual(q, q), q)  # no mass left: fall back to q
+
+
+def test_speculative_sample_forced_decisions():
+    p = torch.tensor([[[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]])
+    q = torch.tensor([[[0.25, 0.75, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]])
+    drafts = torch.tensor([[0, 3]])
+    # q/p at d_1 = 0.5: u = 0.4 accepts it, then q/p at d_2 = 4 accepts: bonus from q_2 = token 0
+    n, nxt = speculative_sample(drafts, p, q, EOS, uniforms=torch.tensor([[0.4, 0.99]]))
+    assert (n.item(), nxt.item()) == (2, 0)
+    # u = 0.6 rejects d_1: correction from norm(max(0, q_1 - p_1)) = token 1 for sure
+    n, nxt = speculative_sample(drafts, p, q, EOS, uniforms=torch.tensor([[0.6, 0.0]]))
+    assert (n.item(), nxt.item()) == (0, 1)
+    # nothing is accepted after an accepted EOS
+    p_eos = torch.tensor([[[0.0, 0.0, 1.0, 0.0], [0.25] * 4]])
+    q_eos = torch.tensor([[[0.0, 0.0, 1.0, 0.0], [0.25] * 4, [0.25] * 4]])
+    n, _ = speculative_sample(torch.tensor([[EOS, 3]]), p_eos, q_eos, EOS,
+                              uniforms=torch.zeros(1, 2))  # fmt: skip
+    assert n.item() == 1
+
+
+@pytest.mark.parametrize("topk,topp", [(2, -1.0), (-1, 0.6), (-1, 0.95), (3, 0.5)])
+def test_sampling_probs_keep_what_fairseq_sampling_keeps(topk, topp):
+    torch.manual_seed(0)
+    logprobs = torch.randn(3, 1, 9).log_softmax(-1)
+    probs = sampling_probs(logprobs, topk, topp)
+    assert torch.allclose(probs.sum(-1), torch.ones(3, 1))
+    search = Sampling(Dictionary(), sampling_topk=topk, sampling_topp=topp)
+    if topp > 0:
+        kept_probs, kept_index = search._sample_topp(logprobs.clone())
+        kept_index = [set(i[p > 0].tolist()) for i, p in zip(kept_index[:, 0], kept_probs[:, 0])]
+    else:
+        kept_index = [set(i.tolist()) for i in logprobs.topk(topk).indices[:, 0]]
+    assert [set(row.nonzero().flatten().tolist()) for row in probs[:, 0]] == kept_index
+
+
+def test_gumbel_top_k_draws_without_replacement_in_order():
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    tokens, drawn = trees.gumbel_top_k(p.log().expand(40000, 4), 2, generator)
+    assert drawn.all() and tokens[:, 0].ne(tokens[:, 1]).all()
+    # first draw ~ p; second draw given the first ~ p without it, renormalised
+    first = torch.bincount(tokens[:, 0], minlength=4)
+    assert chi_square_pvalue(first, p) > 1e-3
+    after_zero = tokens[tokens[:, 0] == 0, 1]
+    counts = torch.bincount(after_zero, minlength=4)[1:]
+    assert chi_square_pvalue(counts, [0.6, 0.3, 0.1]) > 1e-3
+    # fewer tokens with mass than asked: the rest is marked as not drawn
+    _, drawn = trees.gumbel_top_k(torch.tensor([[0.0, float("-inf"), float("-inf")]]), 2, generator)
+    assert drawn.tolist() == [[True, False]]
+
+
+def test_stochastic_beam_search_draws_distinct_sequences():
+    generator = torch.Generator().manual_seed(0)
+    vocab, width = 5, 3
+    logprobs = torch.randn(200, 1, vocab).log_softmax(-1)
+    plan = DraftPlan(beam_width=width, beam_depth=3, sample=True)
+    tree = grow_tree(plan, torch.zeros(200, dtype=torch.long),
+                     lambda t, v, d: logprobs.expand(-1, t.size(1), -1), EOS, generator)  # fmt: skip
+    assert tree.tokens.shape == (200, width * 3) and tree.depths.tolist() == [1] * 3 + [2] * 3 + [3] * 3
+    # the deepest level's beams are different sequences (root-to-leaf paths)
+    for row in range(200):
+        paths = set()
+        for leaf in range(6, 9):
+            node, path = leaf, []
+            while node >= 0:
+                path.append(int(tree.tokens[row, node]))
+                node = int(tree.parents[row, node])
+            paths.add(tuple(path))
+        assert len(paths) == width
+
+
+def joint_counts(path_tokens, next_tokens, n_accepted, q_second, generator):
+    """Counts of (first, second) output token from one iteration of a rule; where the iteration
+    emitted only one token, the second is drawn from q_second [V, V] as the next would."""
+    vocab = q_second.size(0)
+    first = torch.where(n_accepted > 0, path_tokens[:, 0], next_tokens)
+    following = torch.multinomial(q_second[first], 1, generator=generator).squeeze(1)
+    second = torch.where(n_accepted > 1, path_tokens[:, 1].clamp(min=0), next_tokens)
+    second = torch.where(n_accepted > 0, second, following)
+    return torch.bincount(first * vocab + second, minlength=vocab * vocab)
+
+
+def hand_built_case(samples, seed):
+    """A depth-2 tree drawn from hand-written p over 4 tokens, with hand-written q."""
+    generator = torch.Generator().manual_seed(seed)
+    p_root = torch.tensor([0.6, 0.2, 0.15, 0.05])
+    p_child = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1],
+                            [0.25, 0.25, 0.25, 0.25], [0.4, 0.4, 0.1, 0.1]])  # fmt: skip
+    q_root = torch.tensor([0.1, 0.3, 0.4, 0.2])
+    q_child = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.05, 0.05, 0.6, 0.3],
+                            [0.3, 0.3, 0.2, 0.2], [0.1, 0.1, 0.1, 0.7]])  # fmt: skip
+
+    def expand(tokens, _visible, depth):
+        if depth == 0:
+            return p_root.log().expand(samples, 1, -1)
+        return p_child[tokens].log()
+
+    plan = DraftPlan(branching=(2, 2), sample=True)
+    tree = grow_tree(plan, torch.zeros(samples, dtype=torch.long), expand, eos=99,
+                     generator=generator)  # fmt: skip
+    entry_tokens = torch.cat([torch.full((samples, 1), -1), tree.tokens], 1)
+    q = torch.where(entry_tokens.eq(-1).unsqueeze(2), q_root, q_child[entry_tokens.clamp(min=0)])
+    return tree, q, generator, q_root, q_child
+
+
+def test_recursive_rejection_recovers_q_on_a_hand_built_tree():
+    samples = 40000
+    tree, q, generator, q_root, q_child = hand_built_case(samples, 0)
+    path, n_accepted, next_tokens = trees.recursive_rejection(tree, q, eos=99, generator=generator)
+    assert n_accepted.float().mean() > 0.5  # drafts do get accepted
+    path_tokens = tree.tokens.gather(1, path.clamp(min=0))
+    counts = joint_counts(path_tokens, next_tokens, n_accepted, q_child, generator)
+    expected = (q_root.unsqueeze(1) * q_child).flatten()
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_recursive_rejection_without_residuals_is_detected():
+    """Control: the same test fails for a rule that forgets the residual after a rejection."""
+    samples = 40000
+    tree, q, generator, q_root, q_child = hand_built_case(samples, 1)
+    # Try every sibling against the unchanged q (no residual after a rejection).
+    original_residual = trees.residual
+    try:
+        trees.residual = lambda q_, p_: q_
+        path, n_accepted, next_tokens = trees.recursive_rejection(tree, q, 99, generator)
+    finally:
+        trees.residual = original_residual
+    path_tokens = tree.tokens.gather(1, path.clamp(min=0))
+    counts = joint_counts(path_tokens, next_tokens, n_accepted, q_child, generator)
+    expected = (q_root.unsqueeze(1) * q_child).flatten()
+    assert chi_square_pvalue(counts, expected) < 1e-3
