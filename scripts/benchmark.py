@@ -12,7 +12,14 @@ then measure it on test:
         --lossless-block 10 --block 10 --beta 3 --tau 1 --latency-lines 200 \
         --json BENCHMARKS.json
 
-MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py).
+Sampling (speculative sampling vs RSD-C vs RSD-S vs fairseq's --sampling --beam 1), per
+temperature, with systems named kind:shape (chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH):
+
+    python scripts/benchmark.py sampling MODEL_DIR --src test.de --ref test.en \
+        --temperatures 1.0,0.7 --systems chain:6,rsd-c:2-1-1,rsd-s:2x3 --json BENCHMARKS-sampling.json
+
+MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py);
+--drafter PATH replaces drafter.pt (e.g. an autoregressive drafter).
 Systems: fairseq greedy and beam 5 (stock SequenceGenerator), speculative lossless (beta 1,
 tau 0) and speculative top-beta/tau. BLEU is sacreBLEU on detokenized, cased output of the
 large-batch run. Timing: each batch (or, for latency, each sentence) runs every system in a
@@ -34,6 +41,7 @@ import sacrebleu
 import sentencepiece as spm
 import torch
 from fairseq import checkpoint_utils
+from fairseq.search import Sampling
 from fairseq.sequence_generator import SequenceGenerator
 
 import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
@@ -48,10 +56,11 @@ MAX_LEN_A, MAX_LEN_B = 1.2, 10  # the same output length limit for every system
 class ModelPair:
     """The verifier, the drafter, their task and the sentencepiece model of a model directory."""
 
-    def __init__(self, model_dir: Path, source_lang="de", target_lang="en"):
+    def __init__(self, model_dir: Path, drafter_path=None, source_lang="de", target_lang="en"):
         for name in ("verifier.pt", "drafter.pt", "spm.model", f"dict.{source_lang}.txt"):
             if not (model_dir / name).is_file():
                 raise SpecNmtError(f"{model_dir / name} is missing")
+        drafter_path = Path(drafter_path or model_dir / "drafter.pt")
         overrides = {"data": str(model_dir), "source_lang": source_lang, "target_lang": target_lang}
         (self.verifier,), _ = checkpoint_utils.load_model_ensemble(
             [str(model_dir / "verifier.pt")], arg_overrides=overrides
@@ -60,9 +69,7 @@ class ModelPair:
         _, _, self.task = checkpoint_utils.load_model_ensemble_and_task(
             [str(model_dir / "drafter.pt")], arg_overrides=overrides
         )
-        self.drafter, drafter_model = self.task.load_drafter(
-            str(model_dir / "drafter.pt"), self.verifier
-        )
+        self.drafter, drafter_model = self.task.load_drafter(str(drafter_path), self.verifier)
         self.src_dict, self.tgt_dict = self.task.source_dictionary, self.task.target_dictionary
         self.spm = spm.SentencePieceProcessor(model_file=str(model_dir / "spm.model"))
         self.max_source_tokens = min(
@@ -78,6 +85,20 @@ class ModelPair:
         return SpeculativeGenerator(
             TransformerVerifier(self.verifier), self.drafter, self.tgt_dict,
             plan=DraftPlan.chain(block, sample=False), beta=beta, tau=tau, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B,
+        )
+
+    def fairseq_sampler(self, temperature: float) -> SequenceGenerator:
+        return SequenceGenerator(
+            [self.verifier], self.tgt_dict, beam_size=1, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B,
+            temperature=temperature, search_strategy=Sampling(self.tgt_dict),
+        )
+
+    def sampling_generator(self, plan: DraftPlan, temperature: float) -> SpeculativeGenerator:
+        verify = "sampling" if plan.branching == (1,) * plan.depth else "rsd"
+        return SpeculativeGenerator(
+            TransformerVerifier(self.verifier, temperature=temperature), self.drafter,
+            self.tgt_dict, plan=plan, verify=verify, seed=1, max_len_a=MAX_LEN_A,
+            max_len_b=MAX_LEN_B,
         )
 
     def encode(self, lines):
@@ -188,7 +209,7 @@ def timed_runs(pair, systems, tokens, args):
 
 
 def sweep(args):
-    pair = ModelPair(args.model_dir)
+    pair = ModelPair(args.model_dir, args.drafter)
     src = read_lines(args.src, args.lines)
     refs = read_lines(args.ref, args.lines)
     tokens = pair.encode(src)
@@ -239,7 +260,7 @@ def sweep(args):
 
 
 def run(args):
-    pair = ModelPair(args.model_dir)
+    pair = ModelPair(args.model_dir, args.drafter)
     src = read_lines(args.src, args.lines)
     refs = read_lines(args.ref, args.lines)
     tokens = pair.encode(src)
@@ -290,6 +311,84 @@ def run(args):
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
+def draft_plan(text):
+    """chain:K, rsd-c:B1-B2-... or rsd-s:WIDTHxDEPTH → (name, DraftPlan)."""
+    kind, _, shape = text.partition(":")
+    if kind == "chain":
+        return f"spec sampling k={shape}", DraftPlan.chain(int(shape), sample=True)
+    if kind == "rsd-c":
+        branching = tuple(int(b) for b in shape.split("-"))
+        return f"RSD-C {shape}", DraftPlan(branching=branching, sample=True)
+    if kind == "rsd-s":
+        width, depth = (int(x) for x in shape.split("x"))
+        return f"RSD-S {shape}", DraftPlan(beam_width=width, beam_depth=depth, sample=True)
+    raise argparse.ArgumentTypeError(f"unknown system {text!r} (chain:K, rsd-c:B-B-..., rsd-s:WxD)")
+
+
+def tree_nodes(plan: DraftPlan) -> int:
+    """Drafted tokens per verifier call (the verifier's budget beyond the pending token)."""
+    if plan.beam_width:
+        return plan.beam_width * plan.beam_depth
+    return sum(itertools.accumulate(plan.branching, lambda a, b: a * b))
+
+
+def sampling(args):
+    """Sampling systems at each temperature: block efficiency and batch-1 wall time."""
+    pair = ModelPair(args.model_dir, args.drafter)
+    src = read_lines(args.src, args.lines)
+    refs = read_lines(args.ref, args.lines)
+    tokens = pair.encode(src)
+    rows = []
+    for temperature in args.temperatures:
+        plans = dict(args.systems)
+        systems = {"fairseq sampling": pair.fairseq_sampler(temperature)}
+        systems.update({name: pair.sampling_generator(plan, temperature) for name, plan in plans.items()})
+        torch.manual_seed(1)
+        batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
+        for name, generator in systems.items():
+            row = {
+                "temperature": temperature, "system": name,
+                "drafted_tokens_per_call": tree_nodes(plans[name]) if name in plans else 0,
+                "bleu": bleu(pair, batched[name]["tokens"], refs)[0],
+                "batch1_ms_per_sentence": round(1000 * single[name] / latency_lines, 1),
+                "batch1_speedup_vs_fairseq": round(single["fairseq sampling"] / single[name], 2),
+                f"batch{args.batch_size}_speedup_vs_fairseq": round(
+                    batched["fairseq sampling"]["seconds"] / batched[name]["seconds"], 2),
+            }
+            if name in plans:
+                stats = generator.stats
+                row["tokens_per_verifier_call"] = round(stats.output_tokens / stats.iterations, 3)
+                row["mean_accepted_per_iteration"] = round(stats.mean_accepted_per_iteration, 3)
+            else:
+                row["tokens_per_verifier_call"] = 1.0
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {
+        "mode": "sampling", "lines": len(src), "latency_lines": args.latency_lines,
+        "batch_size": args.batch_size, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
+        "environment": environment(), "rows": rows,
+    }
+    print(sampling_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def sampling_table(result):
+    batch = result["batch_size"]
+    columns = [
+        ("temperature", "T"), ("system", "system"), ("drafted_tokens_per_call", "drafts/call"),
+        ("tokens_per_verifier_call", "tokens/verifier call"),
+        ("batch1_ms_per_sentence", "batch-1 ms/sent"),
+        ("batch1_speedup_vs_fairseq", "batch-1 × fairseq"),
+        (f"batch{batch}_speedup_vs_fairseq", f"batch-{batch} × fairseq"), ("bleu", "BLEU"),
+    ]
+    lines = ["| " + " | ".join(title for _, title in columns) + " |",
+             "|" + "---|" * len(columns)]
+    for row in result["rows"]:
+        lines.append("| " + " | ".join(str(row.get(key, "–")) for key, _ in columns) + " |")
+    return "\n".join(lines)
+
+
 def setting(text):
     k, beta, tau = text.split(":")
     return int(k), int(beta), float(tau)
@@ -323,7 +422,7 @@ def comma_list(kind):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["sweep", "run"])
+    parser.add_argument("mode", choices=["sweep", "run", "sampling"])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--src", required=True, help="raw source sentences, one per line")
     parser.add_argument("--ref", required=True, help="raw reference translations")
@@ -343,11 +442,17 @@ def main():
     parser.add_argument("--tau", type=float, default=1.0, help="run: tau of the top-beta/tau system")
     parser.add_argument("--output-dir", default=None, help="run: write each system's translations here")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
+    parser.add_argument("--drafter", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
+    parser.add_argument("--temperatures", type=comma_list(float), default=[1.0, 0.7],
+                        help="sampling: temperatures")
+    parser.add_argument("--systems", type=comma_list(draft_plan),
+                        default=[draft_plan(x) for x in ("chain:6", "rsd-c:2-1-1", "rsd-s:2x3")],
+                        help="sampling: chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    (sweep if args.mode == "sweep" else run)(args)
+    {"sweep": sweep, "run": run, "sampling": sampling}[args.mode](args)
 
 
 if __name__ == "__main__":

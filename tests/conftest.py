@@ -1,5 +1,6 @@
-"""Shared fixtures: a toy corpus, a verifier trained with stock fairseq and Spec-Drafters trained
-through the plugin, all made once per test session with the real command-line tools."""
+"""Shared fixtures: a toy corpus, a verifier and an autoregressive drafter trained with stock
+fairseq and Spec-Drafters trained through the plugin, all made once per test session with the
+real command-line tools."""
 
 import re
 import subprocess
@@ -87,6 +88,11 @@ def toy(tmp_path_factory):
         "--save-dir", root / "verifier",
     )  # fmt: skip
     drafter_log = train_drafter(data_bin, root / "drafter", 300)
+    fairseq(
+        "train", data_bin, "--task", "translation", "--arch", "transformer",
+        *TINY_TRANSFORMER, "--decoder-layers", 1, *OPTIMIZATION, "--max-update", 200,
+        "--criterion", "label_smoothed_cross_entropy", "--save-dir", root / "ar_drafter",
+    )  # fmt: skip
     train_drafter(data_bin, root / "untrained_drafter", 1)
     return {
         "root": root,
@@ -97,4 +103,5 @@ def toy(tmp_path_factory):
         "drafter_dir": root / "drafter",
         "drafter_log": drafter_log.stdout + drafter_log.stderr,
         "untrained_drafter": root / "untrained_drafter" / "checkpoint_last.pt",
+        "ar_drafter": root / "ar_drafter" / "checkpoint_last.pt",
     }

@@ -36,7 +36,7 @@ def assert_one_line_error(result, *fragments):
         (["--tau", -0.5], "--tau must be >= 0"),
         (["--beam", 5], "--beam 5 cannot be combined with --drafter-path"),
         (["--nbest", 2], "--nbest must be 1"),
-        (["--sampling", "--beam", 1], "--sampling is not available"),
+        (["--sampling", "--beam", 1], "needs --verify sampling or --verify rsd"),
         (["--prefix-size", 2], "--prefix-size is not supported"),
     ],
 )
@@ -55,9 +55,6 @@ def test_missing_drafter_file(toy, tmp_path):
     assert_one_line_error(interactive(toy, drafter=missing), str(missing), "no such file")
 
 
-def test_verifier_checkpoint_given_as_drafter(toy):
-    result = interactive(toy, drafter=toy["verifier"])
-    assert_one_line_error(result, "is not a Spec-Drafter checkpoint", "spec_drafter_small")
 
 
 @pytest.mark.parametrize("content", [b"", b"not a checkpoint at all", "truncated"])

@@ -1,6 +1,7 @@
 """The lossless property: --beta 1 --tau 0 output is token-identical to stock greedy decoding,
 through fairseq-generate (batch 1 and 16), fairseq-interactive and the generator in-process, for
-an untrained drafter, a trained one and an oracle drafter that proposes the greedy answer."""
+an untrained drafter, a trained one, an autoregressive one and an oracle drafter that proposes the
+greedy answer."""
 
 import re
 
@@ -54,13 +55,13 @@ def stock_greedy(toy):
 
 
 @pytest.mark.parametrize("batch_size", [1, 16])
-@pytest.mark.parametrize("drafter", ["drafter", "untrained_drafter"])
+@pytest.mark.parametrize("drafter", ["drafter", "untrained_drafter", "ar_drafter"])
 def test_generate_is_identical_to_stock_greedy(toy, stock_greedy, drafter, batch_size):
     output = generate(toy, batch_size, drafter)
     assert len(stock_greedy[batch_size]) == TEST_LINES
     assert hypotheses(output) == stock_greedy[batch_size]
     accepted = mean_accepted(output)
-    if drafter == "drafter":
+    if drafter != "untrained_drafter":
         assert accepted > 0.3  # a trained drafter gets drafts accepted
     print(f"{drafter} batch {batch_size}: mean accepted tokens per iteration {accepted}")
 
@@ -81,6 +82,22 @@ def test_interactive_is_identical_to_stock_greedy(toy):
     assert len(expected) == TEST_LINES
     assert hypotheses(spec.stdout) == expected
     assert mean_accepted(spec.stderr + spec.stdout) > 0.3
+
+
+def test_the_verifier_as_its_own_drafter_gets_every_draft_accepted(toy, stock_greedy):
+    """The identical-drafter end (HF's test): the verifier checkpoint as autoregressive drafter."""
+    result = fairseq(
+        "generate", toy["bin"], "--path", toy["verifier"], "--task", "spec_translation",
+        "--drafter-path", toy["verifier"], "--block-size", BLOCK_SIZE, "--batch-size", 16,
+        "--required-batch-size-multiple", 1, *COMMON,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert hypotheses(output) == stock_greedy[16]
+    # all k drafts + the bonus token per iteration: ceil((length + EOS) / (k + 1)) iterations
+    lengths = [len(text.split()) + 1 for text in stock_greedy[16].values()]
+    whole_blocks = sum(-(-length // (BLOCK_SIZE + 1)) for length in lengths)
+    iterations = int(re.search(r"sentences, (\d+) iterations", output).group(1))
+    assert whole_blocks <= iterations <= 1.05 * whole_blocks
 
 
 class OracleDrafter:

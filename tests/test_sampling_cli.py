@@ -1,0 +1,104 @@
+"""Speculative sampling and RSD through fairseq-generate and fairseq-interactive: seeded runs
+reproduce, every input line gets one output in order, bad flags give one-line errors."""
+
+import shutil
+
+import pytest
+
+from tests.conftest import BLOCK_SIZE, OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, preprocess
+from tests.test_errors import assert_one_line_error
+from tests.test_lossless import hypotheses
+
+SAMPLING = ["--user-dir", USER_DIR, "--task", "spec_translation", "--max-len-b", 40, "--cpu"]
+RULES = {
+    "sampling": ["--verify", "sampling", "--block-size", BLOCK_SIZE],
+    "rsd-c": ["--verify", "rsd", "--tree-branching", "2,2,1"],
+    "rsd-s": ["--verify", "rsd", "--tree-budget", 8, "--block-size", 4],
+}
+
+
+def generate(toy, drafter, rule, *extra):
+    result = fairseq(
+        "generate", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy[drafter],
+        *SAMPLING, *RULES[rule], "--batch-size", 8, *extra,
+    )  # fmt: skip
+    return result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("drafter", ["drafter", "ar_drafter"])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_generate_samples_reproducibly_with_a_seed(toy, drafter, rule):
+    first = hypotheses(generate(toy, drafter, rule, "--seed", 7, "--temperature", 0.9))
+    again = hypotheses(generate(toy, drafter, rule, "--seed", 7, "--temperature", 0.9))
+    other = hypotheses(generate(toy, drafter, rule, "--seed", 8, "--temperature", 0.9))
+    assert len(first) == 60
+    assert first == again
+    assert first != other
+
+
+def test_interactive_sampling_gives_every_line_one_output_in_order(toy):
+    lines = (toy["raw"] / "test.de").read_text().splitlines()[:9]
+    lines.insert(4, "")
+    result = fairseq(
+        "interactive", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy["ar_drafter"],
+        *SAMPLING, *RULES["rsd-s"], "--sampling", "--sampling-topp", 0.9, "--seed", 3,
+        "--batch-size", 3, "--buffer-size", 3, input_text="\n".join(lines) + "\n",
+    )  # fmt: skip
+    found = hypotheses(result.stdout)
+    assert sorted(found) == list(range(10))
+    assert found[4] == ""
+    order = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line[:2] == "H-"]
+    assert order == sorted(order)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--verify", "rsd"], "needs exactly one of --tree-branching"),
+        (["--verify", "rsd", "--tree-branching", "2,2", "--tree-budget", 4], "exactly one of"),
+        (["--verify", "rsd", "--tree-branching", "2,x"], "--tree-branching must be"),
+        (["--verify", "rsd", "--tree-branching", "2,0"], "--tree-branching must be"),
+        (["--verify", "rsd", "--tree-budget", 3, "--block-size", 4], "smaller than --block-size"),
+        (["--verify", "sampling", "--tree-budget", 8], "need --verify rsd"),
+        (["--verify", "sampling", "--temperature", 0], "--temperature must be > 0"),
+        (["--verify", "sampling", "--sampling-topp", 1.5], "--sampling-topp must be"),
+        (["--verify", "rsd", "--tree-budget", 8, "--sampling-topk", 0], "--sampling-topk must"),
+    ],
+)
+def test_bad_sampling_flags_give_one_line_errors(toy, flags, message):
+    result = fairseq(
+        "interactive", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy["drafter"],
+        *SAMPLING, *flags, input_text="s1 s2\n", check=False,
+    )  # fmt: skip
+    assert_one_line_error(result, message)
+
+
+def test_ar_drafter_with_another_dictionary_is_refused(toy, tmp_path):
+    other_raw = tmp_path / "raw"
+    shutil.copytree(toy["raw"], other_raw)
+    with open(other_raw / "train.en", "a") as extra:
+        extra.write("brandnew words only here\n")
+    other_bin = preprocess(other_raw, tmp_path / "bin")
+    fairseq(
+        "train", other_bin, "--task", "translation", "--arch", "transformer", *TINY_TRANSFORMER,
+        "--decoder-layers", 1, *OPTIMIZATION, "--max-update", 1, "--save-dir", tmp_path / "ar",
+    )  # fmt: skip
+    result = fairseq(
+        "interactive", toy["bin"], "--path", toy["verifier"], "--drafter-path",
+        tmp_path / "ar" / "checkpoint_last.pt", *SAMPLING, input_text="s1 s2\n", check=False,
+    )  # fmt: skip
+    assert_one_line_error(result, "target symbols but the dictionary in", "must share")
+
+
+def test_a_checkpoint_of_another_model_family_is_refused(toy, tmp_path):
+    fairseq(
+        "train", toy["bin"], "--task", "translation", "--arch", "lstm", "--encoder-layers", 1,
+        "--decoder-layers", 1, "--encoder-embed-dim", 16, "--decoder-embed-dim", 16,
+        "--decoder-out-embed-dim", 16, "--encoder-hidden-size", 16, "--decoder-hidden-size", 16,
+        *OPTIMIZATION, "--max-update", 1, "--save-dir", tmp_path,
+    )  # fmt: skip
+    result = fairseq(
+        "interactive", toy["bin"], "--path", toy["verifier"], "--drafter-path",
+        tmp_path / "checkpoint_last.pt", *SAMPLING, input_text="s1 s2\n", check=False,
+    )  # fmt: skip
+    assert_one_line_error(result, "neither a Spec-Drafter nor a Transformer checkpoint")
