@@ -94,7 +94,7 @@ class ModelPair:
         )
 
     def sampling_generator(self, plan: DraftPlan, temperature: float) -> SpeculativeGenerator:
-        verify = "sampling" if plan.branching == (1,) * plan.depth else "rsd"
+        verify = "sampling" if plan.is_chain else "rsd"
         return SpeculativeGenerator(
             TransformerVerifier(self.verifier, temperature=temperature), self.drafter,
             self.tgt_dict, plan=plan, verify=verify, seed=1, max_len_a=MAX_LEN_A,

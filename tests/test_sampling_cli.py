@@ -20,7 +20,7 @@ RULES = {
 def generate(toy, drafter, rule, *extra):
     result = fairseq(
         "generate", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy[drafter],
-        *SAMPLING, *RULES[rule], "--batch-size", 8, *extra,
+        *SAMPLING, *RULES[rule], "--batch-size", 8, "--required-batch-size-multiple", 1, *extra,
     )  # fmt: skip
     return result.stdout + result.stderr
 
@@ -28,12 +28,11 @@ def generate(toy, drafter, rule, *extra):
 @pytest.mark.parametrize("drafter", ["drafter", "ar_drafter"])
 @pytest.mark.parametrize("rule", list(RULES))
 def test_generate_samples_reproducibly_with_a_seed(toy, drafter, rule):
+    """(That another seed gives other samples is tested in-process, in test_sampling_exact.)"""
     first = hypotheses(generate(toy, drafter, rule, "--seed", 7, "--temperature", 0.9))
     again = hypotheses(generate(toy, drafter, rule, "--seed", 7, "--temperature", 0.9))
-    other = hypotheses(generate(toy, drafter, rule, "--seed", 8, "--temperature", 0.9))
     assert len(first) == 60
     assert first == again
-    assert first != other
 
 
 def test_interactive_sampling_gives_every_line_one_output_in_order(toy):
@@ -41,7 +40,7 @@ def test_interactive_sampling_gives_every_line_one_output_in_order(toy):
     lines.insert(4, "")
     result = fairseq(
         "interactive", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy["ar_drafter"],
-        *SAMPLING, *RULES["rsd-s"], "--sampling", "--sampling-topp", 0.9, "--seed", 3,
+        *SAMPLING, *RULES["rsd-s"], "--sampling", "--beam", 1, "--sampling-topp", 0.9, "--seed", 3,
         "--batch-size", 3, "--buffer-size", 3, input_text="\n".join(lines) + "\n",
     )  # fmt: skip
     found = hypotheses(result.stdout)
@@ -62,7 +61,8 @@ def test_interactive_sampling_gives_every_line_one_output_in_order(toy):
         (["--verify", "sampling", "--tree-budget", 8], "need --verify rsd"),
         (["--verify", "sampling", "--temperature", 0], "--temperature must be > 0"),
         (["--verify", "sampling", "--sampling-topp", 1.5], "--sampling-topp must be"),
-        (["--verify", "rsd", "--tree-budget", 8, "--sampling-topk", 0], "--sampling-topk must"),
+        (["--verify", "rsd", "--tree-budget", 8, "--block-size", 4, "--sampling-topk", 0],
+         "--sampling-topk must"),
     ],
 )
 def test_bad_sampling_flags_give_one_line_errors(toy, flags, message):
@@ -78,6 +78,8 @@ def test_ar_drafter_with_another_dictionary_is_refused(toy, tmp_path):
     shutil.copytree(toy["raw"], other_raw)
     with open(other_raw / "train.en", "a") as extra:
         extra.write("brandnew words only here\n")
+    with open(other_raw / "train.de", "a") as extra:
+        extra.write("ganz neue wörter\n")
     other_bin = preprocess(other_raw, tmp_path / "bin")
     fairseq(
         "train", other_bin, "--task", "translation", "--arch", "transformer", *TINY_TRANSFORMER,

@@ -44,6 +44,10 @@ class DraftPlan:
     def depth(self) -> int:
         return self.beam_depth if self.beam_width else len(self.branching)
 
+    @property
+    def is_chain(self) -> bool:
+        return not self.beam_width and all(b == 1 for b in self.branching)
+
     @classmethod
     def chain(cls, k: int, sample: bool) -> "DraftPlan":
         return cls(branching=(1,) * k, sample=sample)
@@ -112,7 +116,9 @@ def grow_tree(
         # the children's distributions (for the deepest level only an AR drafter computes them:
         # feeding the leaves keeps its cache complete for the next iteration)
         level_visible = None
-        if needs_visibility:
+        if needs_visibility and plan.is_chain:  # a chain node sees every earlier entry
+            level_visible = torch.ones(batch, 1, depth + 1, dtype=torch.bool, device=device)
+        elif needs_visibility:
             level_visible = block_visibility(torch.cat(parents, dim=1))[:, -level_tokens.size(1) :]
         entry_logprobs.append(expand(level_tokens, level_visible, depth))
         frontier_tokens, frontier_valid = level_tokens, valid[-1]

@@ -85,7 +85,7 @@ class SpeculativeGenerator:
     ):
         if verify not in ("top_beta", "sampling", "rsd"):
             raise SpecNmtError(f"unknown verification rule {verify!r}")
-        if (verify == "top_beta") == plan.sample or (verify != "rsd" and plan.beam_width):
+        if (verify == "top_beta") == plan.sample or (verify != "rsd" and not plan.is_chain):
             raise ValueError(f"draft plan {plan} does not fit rule {verify}")
         self.verifier = verifier
         self.drafter = drafter
@@ -154,7 +154,7 @@ class SpeculativeGenerator:
             # 2. score [pending token, tree nodes] in one verifier pass
             pending = row_tokens.gather(1, row_lengths.unsqueeze(1))
             depths = block_depths(tree)
-            visible = None if plan.branching == (1,) * plan.depth else block_visibility(tree.parents)
+            visible = None if plan.is_chain else block_visibility(tree.parents)
             block = torch.cat([pending, tree.tokens], dim=1)
             logprobs = self.verifier.score_block(verifier_state, block, depths, visible)
             logprobs = self._search_constraints(logprobs, row_lengths, depths, max_len)
