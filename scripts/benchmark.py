@@ -134,14 +134,15 @@ def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
             generator.stats = DecodingStats()
     names = list(systems)
     with torch.inference_mode():
-        for batch_number, (indices, sample) in enumerate(make_batches(pair, tokens, batch_size)):
+        for batch_number, (_, sample) in enumerate(make_batches(pair, tokens, batch_size)):
             rotation = (batch_number + rotation_offset) % len(names)
             for name in names[rotation:] + names[:rotation]:
                 start = time.perf_counter()
                 hypos = systems[name].generate([pair.verifier], sample)
                 elapsed = time.perf_counter() - start
                 results[name]["seconds"] += elapsed
-                for row, line in enumerate(indices):
+                # fairseq's collater orders a batch's rows by length: map them back by id
+                for row, line in enumerate(sample["id"].tolist()):
                     results[name]["tokens"][line] = hypos[row][0]["tokens"].cpu()
     for name, generator in systems.items():
         if isinstance(generator, SpeculativeGenerator):
