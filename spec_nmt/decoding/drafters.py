@@ -89,7 +89,8 @@ def grow_tree(
     beam_scores = torch.zeros(batch, 1, device=device)
     for depth in range(1, plan.depth + 1):
         parent_logprobs = entry_logprobs[-1]  # [B, n_parents, V]
-        can_extend = frontier_valid & frontier_tokens.ne(eos)
+        # the root always extends: it is BOS (EOS's index in fairseq) or an unfinished prefix
+        can_extend = frontier_valid & (frontier_tokens.ne(eos) if depth > 1 else True)
         first_parent = sum(t.size(1) for t in tokens) - frontier_tokens.size(1)  # node index
         if plan.beam_width:
             masked = parent_logprobs.masked_fill(~can_extend.unsqueeze(2), float("-inf"))
