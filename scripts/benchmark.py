@@ -38,91 +38,35 @@ import time
 from pathlib import Path
 
 import sacrebleu
-import sentencepiece as spm
 import torch
-from fairseq import checkpoint_utils
 from fairseq.search import Sampling
 from fairseq.sequence_generator import SequenceGenerator
 
 import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
 from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
-from spec_nmt.decoding.verifier import TransformerVerifier
-from spec_nmt.errors import SpecNmtError
+from spec_nmt.translator import SpecTranslator
 
 MAX_LEN_A, MAX_LEN_B = 1.2, 10  # the same output length limit for every system
 
 
-class ModelPair:
-    """The verifier, the drafter, their task and the sentencepiece model of a model directory."""
-
-    def __init__(self, model_dir: Path, drafter_path=None, source_lang="de", target_lang="en"):
-        for name in ("verifier.pt", "drafter.pt", "spm.model", f"dict.{source_lang}.txt"):
-            if not (model_dir / name).is_file():
-                raise SpecNmtError(f"{model_dir / name} is missing")
-        drafter_path = Path(drafter_path or model_dir / "drafter.pt")
-        overrides = {"data": str(model_dir), "source_lang": source_lang, "target_lang": target_lang}
-        (self.verifier,), _ = checkpoint_utils.load_model_ensemble(
-            [str(model_dir / "verifier.pt")], arg_overrides=overrides
-        )
-        self.verifier.eval()
-        _, _, self.task = checkpoint_utils.load_model_ensemble_and_task(
-            [str(model_dir / "drafter.pt")], arg_overrides=overrides
-        )
-        self.drafter, drafter_model = self.task.load_drafter(str(drafter_path), self.verifier)
-        self.src_dict, self.tgt_dict = self.task.source_dictionary, self.task.target_dictionary
-        self.spm = spm.SentencePieceProcessor(model_file=str(model_dir / "spm.model"))
-        self.max_source_tokens = min(
-            self.verifier.encoder.max_positions(), drafter_model.encoder.max_positions()
-        )
-
-    def fairseq_generator(self, beam: int) -> SequenceGenerator:
-        return SequenceGenerator(
-            [self.verifier], self.tgt_dict, beam_size=beam, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B
-        )
-
-    def speculative_generator(self, block: int, beta: int, tau: float) -> SpeculativeGenerator:
-        return SpeculativeGenerator(
-            TransformerVerifier(self.verifier), self.drafter, self.tgt_dict,
-            plan=DraftPlan.chain(block, sample=False), beta=beta, tau=tau, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B,
-        )
-
-    def fairseq_sampler(self, temperature: float) -> SequenceGenerator:
-        return SequenceGenerator(
-            [self.verifier], self.tgt_dict, beam_size=1, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B,
-            temperature=temperature, search_strategy=Sampling(self.tgt_dict),
-        )
-
-    def sampling_generator(self, plan: DraftPlan, temperature: float) -> SpeculativeGenerator:
-        verify = "sampling" if plan.is_chain else "rsd"
-        return SpeculativeGenerator(
-            TransformerVerifier(self.verifier, temperature=temperature), self.drafter,
-            self.tgt_dict, plan=plan, verify=verify, seed=1, max_len_a=MAX_LEN_A,
-            max_len_b=MAX_LEN_B,
-        )
-
-    def encode(self, lines):
-        tokens = []
-        for line in lines:
-            pieces = " ".join(self.spm.encode(line.strip(), out_type=str))
-            ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=True).long()
-            if ids.numel() > self.max_source_tokens:
-                ids = torch.cat([ids[: self.max_source_tokens - 1], ids[-1:]])
-            tokens.append(ids)
-        return tokens
-
-    def decode(self, token_ids) -> str:
-        """Detokenize exactly as fairseq's --bpe sentencepiece does for fairseq-generate output."""
-        return self.tgt_dict.string(token_ids).replace(" ", "").replace("\u2581", " ").strip()
+def fairseq_generator(pair: SpecTranslator, beam: int) -> SequenceGenerator:
+    return SequenceGenerator(
+        [pair.verifier], pair.tgt_dict, beam_size=beam, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B
+    )
 
 
-def make_batches(pair, tokens, batch_size):
-    """Batches of similar source length (like fairseq's), each a list of line indices + sample."""
-    dataset = pair.task.build_dataset_for_inference(tokens, [t.numel() for t in tokens])
-    order = sorted(range(len(tokens)), key=lambda i: tokens[i].numel())
-    for start in range(0, len(order), batch_size):
-        indices = order[start:start + batch_size]
-        yield indices, dataset.collater([dataset[i] for i in indices])
+def fairseq_sampler(pair: SpecTranslator, temperature: float) -> SequenceGenerator:
+    return SequenceGenerator(
+        [pair.verifier], pair.tgt_dict, beam_size=1, max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B,
+        temperature=temperature, search_strategy=Sampling(pair.tgt_dict),
+    )
+
+
+def load_pair(args) -> SpecTranslator:
+    return SpecTranslator.from_pretrained(
+        args.model_dir, args.drafter, device="cpu", max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B
+    )
 
 
 def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
@@ -134,15 +78,14 @@ def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
             generator.stats = DecodingStats()
     names = list(systems)
     with torch.inference_mode():
-        for batch_number, (_, sample) in enumerate(make_batches(pair, tokens, batch_size)):
+        for batch_number, (lines, sample) in enumerate(pair.batches(tokens, batch_size)):
             rotation = (batch_number + rotation_offset) % len(names)
             for name in names[rotation:] + names[:rotation]:
                 start = time.perf_counter()
                 hypos = systems[name].generate([pair.verifier], sample)
                 elapsed = time.perf_counter() - start
                 results[name]["seconds"] += elapsed
-                # fairseq's collater orders a batch's rows by length: map them back by id
-                for row, line in enumerate(sample["id"].tolist()):
+                for row, line in enumerate(lines):
                     results[name]["tokens"][line] = hypos[row][0]["tokens"].cpu()
     for name, generator in systems.items():
         if isinstance(generator, SpeculativeGenerator):
@@ -210,19 +153,19 @@ def timed_runs(pair, systems, tokens, args):
 
 
 def sweep(args):
-    pair = ModelPair(args.model_dir, args.drafter)
+    pair = load_pair(args)
     src = read_lines(args.src, args.lines)
     refs = read_lines(args.ref, args.lines)
     tokens = pair.encode(src)
-    decode_all(pair, {"warm-up": pair.fairseq_generator(1)}, tokens[: args.warmup_lines], 1)
-    baseline = {"fairseq greedy": pair.fairseq_generator(1), "fairseq beam5": pair.fairseq_generator(5)}
+    decode_all(pair, {"warm-up": fairseq_generator(pair, 1)}, tokens[: args.warmup_lines], 1)
+    baseline = {"fairseq greedy": fairseq_generator(pair, 1), "fairseq beam5": fairseq_generator(pair, 5)}
     base = decode_all(pair, baseline, tokens, args.batch_size)
     rows = []
     for name in baseline:
         rows.append({"system": name, "bleu": bleu(pair, base[name]["tokens"], refs)[0]})
         print(json.dumps(rows[-1]), flush=True)
     latency_tokens = tokens[: args.latency_lines]
-    greedy_one = pair.fairseq_generator(1)
+    greedy_one = fairseq_generator(pair, 1)
     settings = args.settings or [
         # with beta 1 only the best token can pass: tau changes nothing
         (k, beta, tau) for k, beta, tau in itertools.product(args.blocks, args.betas, args.taus)
@@ -230,7 +173,7 @@ def sweep(args):
     ]
     for block, beta, tau in settings:
         name = f"spec k={block} beta={beta} tau={tau}"
-        spec = pair.speculative_generator(block, beta, tau)
+        spec = pair.generator(block_size=block, beta=beta, tau=tau)
         out = decode_all(pair, {name: spec}, tokens, args.batch_size)[name]
         # Batch-1 time relative to fairseq greedy, alternated sentence by sentence.
         single = batch1_seconds(pair, {"greedy": greedy_one, name: spec}, latency_tokens)
@@ -261,17 +204,17 @@ def sweep(args):
 
 
 def run(args):
-    pair = ModelPair(args.model_dir, args.drafter)
+    pair = load_pair(args)
     src = read_lines(args.src, args.lines)
     refs = read_lines(args.ref, args.lines)
     tokens = pair.encode(src)
     lossless = f"spec lossless k={args.lossless_block}"
     top_beta = f"spec k={args.block} beta={args.beta} tau={args.tau}"
     systems = {
-        "fairseq greedy": pair.fairseq_generator(1),
-        "fairseq beam5": pair.fairseq_generator(5),
-        lossless: pair.speculative_generator(args.lossless_block, 1, 0.0),
-        top_beta: pair.speculative_generator(args.block, args.beta, args.tau),
+        "fairseq greedy": fairseq_generator(pair, 1),
+        "fairseq beam5": fairseq_generator(pair, 5),
+        lossless: pair.generator(block_size=args.lossless_block),
+        top_beta: pair.generator(block_size=args.block, beta=args.beta, tau=args.tau),
     }
     batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
     greedy_tokens = batched["fairseq greedy"]["tokens"]
@@ -313,16 +256,15 @@ def run(args):
 
 
 def draft_plan(text):
-    """chain:K, rsd-c:B1-B2-... or rsd-s:WIDTHxDEPTH → (name, DraftPlan)."""
+    """chain:K, rsd-c:B1-B2-... or rsd-s:WIDTHxDEPTH → (name, decoding settings)."""
     kind, _, shape = text.partition(":")
     if kind == "chain":
-        return f"spec sampling k={shape}", DraftPlan.chain(int(shape), sample=True)
+        return f"spec sampling k={shape}", {"verify": "sampling", "block_size": int(shape)}
     if kind == "rsd-c":
-        branching = tuple(int(b) for b in shape.split("-"))
-        return f"RSD-C {shape}", DraftPlan(branching=branching, sample=True)
+        return f"RSD-C {shape}", {"verify": "rsd", "tree_branching": shape.replace("-", ",")}
     if kind == "rsd-s":
         width, depth = (int(x) for x in shape.split("x"))
-        return f"RSD-S {shape}", DraftPlan(beam_width=width, beam_depth=depth, sample=True)
+        return f"RSD-S {shape}", {"verify": "rsd", "tree_budget": width * depth, "block_size": depth}
     raise argparse.ArgumentTypeError(f"unknown system {text!r} (chain:K, rsd-c:B-B-..., rsd-s:WxD)")
 
 
@@ -335,21 +277,24 @@ def tree_nodes(plan: DraftPlan) -> int:
 
 def sampling(args):
     """Sampling systems at each temperature: block efficiency and batch-1 wall time."""
-    pair = ModelPair(args.model_dir, args.drafter)
+    pair = load_pair(args)
     src = read_lines(args.src, args.lines)
     refs = read_lines(args.ref, args.lines)
     tokens = pair.encode(src)
     rows = []
     for temperature in args.temperatures:
         plans = dict(args.systems)
-        systems = {"fairseq sampling": pair.fairseq_sampler(temperature)}
-        systems.update({name: pair.sampling_generator(plan, temperature) for name, plan in plans.items()})
+        systems = {"fairseq sampling": fairseq_sampler(pair, temperature)}
+        systems.update({
+            name: pair.generator(temperature=temperature, **settings)
+            for name, settings in plans.items()
+        })
         torch.manual_seed(1)
         batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
         for name, generator in systems.items():
             row = {
                 "temperature": temperature, "system": name,
-                "drafted_tokens_per_call": tree_nodes(plans[name]) if name in plans else 0,
+                "drafted_tokens_per_call": tree_nodes(generator.plan) if name in plans else 0,
                 "bleu": bleu(pair, batched[name]["tokens"], refs)[0],
                 "batch1_ms_per_sentence": round(1000 * single[name] / latency_lines, 1),
                 "batch1_speedup_vs_fairseq": round(single["fairseq sampling"] / single[name], 2),

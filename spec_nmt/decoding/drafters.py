@@ -150,6 +150,9 @@ class NarDrafter:
     def max_positions(self) -> int:
         return self.model.decoder.max_positions()
 
+    def max_source_positions(self) -> int:
+        return self.model.encoder.max_positions()
+
     def start(self, net_input: Dict[str, Tensor]) -> Dict:
         return self.model.encoder.forward_torchscript(net_input)
 
@@ -203,6 +206,9 @@ class ArDrafter:
 
     def max_positions(self) -> int:
         return self.scorer.max_positions()
+
+    def max_source_positions(self) -> int:
+        return self.scorer.model.encoder.max_positions()
 
     def start(self, net_input: Dict[str, Tensor]):
         return self.scorer.start(net_input)

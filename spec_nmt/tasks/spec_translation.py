@@ -188,18 +188,25 @@ class SpecTranslationTask(TranslationTask):
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
         _check_generation_args(args, len(models), self.cfg.verify)
+        drafter = self.load_drafter(self.cfg.drafter_path, models[0])
+        # fairseq-generate/-interactive seed torch with --seed just before this call
+        generator = self.speculative_generator(models[0], drafter, args, seed=torch.initial_seed())
+        atexit.register(generator.log_summary)
+        return generator
+
+    def speculative_generator(self, verifier_model, drafter, args, seed: int):
+        """The speculative generator for this task's rule and draft shape, with fairseq's
+        generation settings ``args`` (length limits, penalties, temperature, top-k/top-p)."""
         temperature = getattr(args, "temperature", 1.0)
         topk, topp = getattr(args, "sampling_topk", -1), getattr(args, "sampling_topp", -1.0)
         check_sampling_params(temperature, topk, topp)
-        verifier = TransformerVerifier(models[0], temperature=temperature)
-        drafter, drafter_model = self.load_drafter(self.cfg.drafter_path, models[0])
         self._source_token_limit = min(
             self.cfg.max_source_positions,
-            models[0].encoder.max_positions(),
-            drafter_model.encoder.max_positions(),
+            verifier_model.encoder.max_positions(),
+            drafter.max_source_positions(),
         )
-        generator = SpeculativeGenerator(
-            verifier,
+        return SpeculativeGenerator(
+            TransformerVerifier(verifier_model, temperature=temperature),
             drafter,
             self.target_dictionary,
             plan=self.draft_plan,
@@ -208,8 +215,7 @@ class SpecTranslationTask(TranslationTask):
             tau=self.cfg.tau,
             sampling_topk=topk,
             sampling_topp=topp,
-            # fairseq-generate/-interactive seed torch with --seed just before this call
-            seed=torch.initial_seed(),
+            seed=seed,
             max_len_a=getattr(args, "max_len_a", 0),
             max_len_b=getattr(args, "max_len_b", 200),
             min_len=getattr(args, "min_len", 1),
@@ -217,12 +223,10 @@ class SpecTranslationTask(TranslationTask):
             len_penalty=getattr(args, "lenpen", 1),
             unk_penalty=getattr(args, "unkpen", 0),
         )
-        atexit.register(generator.log_summary)
-        return generator
 
     def load_drafter(self, path: str, verifier_model):
         """Load a drafter checkpoint onto the verifier's device and dtype: a Spec-Drafter, or a
-        stock Transformer translation model (autoregressive drafter). Returns (adapter, model)."""
+        stock Transformer translation model (autoregressive drafter)."""
         if not os.path.isfile(path):
             raise SpecNmtError(f"--drafter-path {path}: no such file")
         try:
@@ -253,7 +257,7 @@ class SpecTranslationTask(TranslationTask):
         model = model.to(device=reference.device, dtype=reference.dtype).eval()
         adapter = ArDrafter if autoregressive else NarDrafter
         dictionary = self.target_dictionary
-        return adapter(model, pad=dictionary.pad(), eos=dictionary.eos()), model
+        return adapter(model, pad=dictionary.pad(), eos=dictionary.eos())
 
     def get_interactive_tokens_and_lengths(self, lines, encode_fn):
         """Encode input lines; a line longer than the models accept is cut to fit (with a

@@ -1,0 +1,215 @@
+"""Python API in fairseq's hub style: a model directory in, sentences in, sentences out.
+
+    from spec_nmt.translator import SpecTranslator
+    translator = SpecTranslator.from_pretrained("data/models/bench-de-en", beta=3, tau=1.0)
+    translator.translate("Guten Morgen.")
+    translator.translate(["Guten Morgen.", "Wie geht es dir?"], batch_size=32)
+    translator.sample("Guten Morgen.", temperature=0.7, verify="rsd", tree_branching="2,1,1")
+    translator.statistics  # per sentence of the last call: iterations, accepted tokens, ...
+
+A model directory holds verifier.pt, drafter.pt, dict.{src,tgt}.txt and spm.model
+(scripts/export_model.py writes one). Sentencepiece is applied to the input and removed from the
+output; decoding settings are the task's flags as keyword arguments (block_size, beta, tau,
+verify, tree_branching, tree_budget) plus fairseq's generation settings (max_len_a, max_len_b,
+min_len, temperature, sampling_topk, sampling_topp).
+"""
+
+import dataclasses
+import logging
+from argparse import Namespace
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import sentencepiece
+import torch
+from fairseq import checkpoint_utils
+
+from spec_nmt.decoding.generator import SpeculativeGenerator
+from spec_nmt.errors import SpecNmtError
+from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
+
+logger = logging.getLogger(__name__)
+
+TASK_SETTINGS = ("block_size", "beta", "tau", "verify", "tree_branching", "tree_budget")
+GENERATION_DEFAULTS = {
+    "max_len_a": 1.2, "max_len_b": 10, "min_len": 1, "temperature": 1.0,
+    "sampling_topk": -1, "sampling_topp": -1.0, "lenpen": 1.0, "unkpen": 0.0,
+}  # fmt: skip
+
+
+class SpecTranslator:
+    """A verifier, a drafter (Spec-Drafter or autoregressive), their dictionaries and the
+    sentencepiece model, loaded once; each call decodes with the settings it is given."""
+
+    def __init__(self, task: SpecTranslationTask, verifier, drafter, spm_model, defaults: Dict):
+        self.task = task
+        self.verifier = verifier
+        self.drafter = drafter
+        self.spm = spm_model
+        self.defaults = defaults
+        self.src_dict, self.tgt_dict = task.source_dictionary, task.target_dictionary
+        self.max_source_tokens = min(
+            task.cfg.max_source_positions,
+            verifier.encoder.max_positions(),
+            drafter.max_source_positions(),
+        )
+        self.statistics: List[Dict] = []
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: Union[str, Path],
+        drafter_path: Optional[Union[str, Path]] = None,
+        source_lang: str = "de",
+        target_lang: str = "en",
+        device: Optional[str] = None,
+        **settings,
+    ) -> "SpecTranslator":
+        """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``
+        (default: CUDA when available). ``settings`` are the defaults of every call."""
+        model_dir = Path(model_dir)
+        drafter_path = Path(drafter_path) if drafter_path else model_dir / "drafter.pt"
+        needed = ["verifier.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt", "spm.model"]
+        for path in [model_dir / name for name in needed] + [drafter_path]:
+            if not path.is_file():
+                raise SpecNmtError(
+                    f"{path} is missing: a model directory holds verifier.pt, drafter.pt, "
+                    "dict.*.txt and spm.model (scripts/export_model.py writes one)"
+                )
+        defaults = dict(GENERATION_DEFAULTS)
+        defaults.update(_split_settings(settings)[1])
+        cfg = SpecTranslationConfig(
+            data=str(model_dir), source_lang=source_lang, target_lang=target_lang,
+            drafter_path=str(drafter_path), **_split_settings(settings)[0],
+        )  # fmt: skip
+        task = SpecTranslationTask.setup_task(cfg)
+        verifier = _load_verifier(model_dir / "verifier.pt", task)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        verifier = verifier.to(device=device, dtype=torch.float32).eval()
+        drafter = task.load_drafter(str(drafter_path), verifier)
+        spm_model = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "spm.model"))
+        return cls(task, verifier, drafter, spm_model, defaults)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.verifier.parameters()).device
+
+    # ----- generators -------------------------------------------------------------------------
+    def generator(self, seed: int = 1, **settings) -> SpeculativeGenerator:
+        """A speculative generator for these settings over the loaded models."""
+        task_settings, generation = _split_settings(settings)
+        cfg = dataclasses.replace(self.task.cfg, **task_settings)
+        task = SpecTranslationTask(cfg, self.src_dict, self.tgt_dict)
+        args = Namespace(**{**self.defaults, **generation})
+        return task.speculative_generator(self.verifier, self.drafter, args, seed=seed)
+
+    # ----- text in, text out --------------------------------------------------------------
+    def translate(self, sentences: Union[str, Sequence[str]], batch_size: int = 64, **settings):
+        """Translate one sentence (returns a string) or a list (returns a list, same order)."""
+        generator = self.generator(**settings)
+        if generator.verify != "top_beta":
+            raise SpecNmtError("translate() verifies greedy decoding; use sample() to sample")
+        return self._decode(generator, sentences, batch_size)
+
+    def sample(
+        self,
+        sentences: Union[str, Sequence[str]],
+        temperature: float = 1.0,
+        seed: int = 1,
+        verify: str = "sampling",
+        batch_size: int = 64,
+        **settings,
+    ):
+        """Sample translations exactly from the verifier (temperature, sampling_topk,
+        sampling_topp), several tokens per verifier call; ``verify`` is ``sampling`` or ``rsd``
+        (then give tree_branching or tree_budget). Equal seeds give equal samples."""
+        if verify not in ("sampling", "rsd"):
+            raise SpecNmtError(f"sample() takes verify='sampling' or 'rsd', got {verify!r}")
+        generator = self.generator(seed=seed, verify=verify, temperature=temperature, **settings)
+        return self._decode(generator, sentences, batch_size)
+
+    def encode(self, lines: Sequence[str]) -> List[torch.Tensor]:
+        """Source token ids per line; a line longer than the models accept keeps its first
+        tokens (with a warning)."""
+        tokens = []
+        for line in lines:
+            pieces = " ".join(self.spm.encode(_clean(line), out_type=str))
+            ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=True).long()
+            if ids.numel() > self.max_source_tokens:
+                logger.warning(
+                    "input line of %d tokens is longer than the models accept; translating its "
+                    "first %d tokens", ids.numel() - 1, self.max_source_tokens - 1,
+                )  # fmt: skip
+                ids = torch.cat([ids[: self.max_source_tokens - 1], ids[-1:]])
+            tokens.append(ids)
+        return tokens
+
+    def decode(self, token_ids: torch.Tensor) -> str:
+        """Target ids → text, removing sentencepiece as fairseq's --bpe sentencepiece does."""
+        return self.tgt_dict.string(token_ids).replace(" ", "").replace("\u2581", " ").strip()
+
+    def batches(self, tokens: List[torch.Tensor], batch_size: int) -> Iterator[Tuple[List[int], Dict]]:
+        """Batches of similar source length, each (line index of every row, fairseq sample).
+        fairseq's collater orders rows by length, so the indices come from the sample's ids."""
+        if batch_size < 1:
+            raise SpecNmtError(f"batch_size must be >= 1, got {batch_size}")
+        dataset = self.task.build_dataset_for_inference(tokens, [t.numel() for t in tokens])
+        order = sorted(range(len(tokens)), key=lambda i: tokens[i].numel())
+        for start in range(0, len(order), batch_size):
+            indices = order[start : start + batch_size]  # dataset index = line index
+            sample = dataset.collater([dataset[i] for i in indices])
+            yield sample["id"].tolist(), _to_device(sample, self.device)
+
+    def _decode(self, generator, sentences, batch_size: int):
+        single = isinstance(sentences, str)
+        lines = [sentences] if single else list(sentences)
+        if not all(isinstance(line, str) for line in lines):
+            raise SpecNmtError("sentences must be a string or a list of strings")
+        tokens = self.encode(lines)
+        outputs: List[str] = [""] * len(lines)
+        self.statistics = [{} for _ in lines]
+        with torch.inference_mode():
+            for indices, sample in self.batches(tokens, batch_size):
+                for line, hypos in zip(indices, generator.generate([self.verifier], sample)):
+                    best = hypos[0]
+                    outputs[line] = self.decode(best["tokens"].cpu())
+                    self.statistics[line] = {
+                        "iterations": best.get("spec_iterations", 0),
+                        "accepted_tokens": best.get("spec_accepted_tokens", 0),
+                        "output_tokens": int(best["tokens"].numel()),
+                        "score": float(best["score"]),
+                    }
+        return outputs[0] if single else outputs
+
+
+def _split_settings(settings: Dict) -> Tuple[Dict, Dict]:
+    """(task settings, generation settings); anything else is a user's typo."""
+    unknown = set(settings) - set(TASK_SETTINGS) - set(GENERATION_DEFAULTS)
+    if unknown:
+        known = ", ".join(TASK_SETTINGS + tuple(GENERATION_DEFAULTS))
+        raise SpecNmtError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {known}")
+    task = {k: v for k, v in settings.items() if k in TASK_SETTINGS}
+    generation = {k: v for k, v in settings.items() if k in GENERATION_DEFAULTS}
+    return task, generation
+
+
+def _load_verifier(path: Path, task: SpecTranslationTask):
+    try:
+        state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    except Exception as error:  # truncated, corrupt or not a torch file at all
+        raise SpecNmtError(
+            f"{path} is not a readable fairseq checkpoint ({type(error).__name__}); "
+            "re-export the model directory with scripts/export_model.py"
+        ) from error
+    (verifier,), _ = checkpoint_utils.load_model_ensemble([str(path)], task=task, state=state)
+    return verifier
+
+
+def _clean(line: str) -> str:
+    """One line of text: line breaks inside it would split it, control characters mean nothing."""
+    return "".join(" " if not ch.isprintable() else ch for ch in line).strip()
+
+
+def _to_device(sample: Dict, device: torch.device) -> Dict:
+    net_input = {k: v.to(device) if torch.is_tensor(v) else v for k, v in sample["net_input"].items()}
+    return dict(sample, net_input=net_input)
