@@ -190,3 +190,12 @@ def test_recursive_rejection_without_residuals_is_detected():
     counts = joint_counts(path_tokens, next_tokens, n_accepted, q_child, generator)
     expected = (q_root.unsqueeze(1) * q_child).flatten()
     assert chi_square_pvalue(counts, expected) < 1e-3
+
+
+def test_the_root_always_has_children_even_though_bos_is_eos():
+    """fairseq's BOS is the EOS symbol: the first iteration's root must still be extended."""
+    logprobs = torch.randn(2, 1, 6).log_softmax(-1)
+    tree = grow_tree(DraftPlan(branching=(2, 1), sample=True), torch.full((2,), EOS),
+                     lambda t, v, d: logprobs.expand(-1, t.size(1), -1), EOS,
+                     torch.Generator().manual_seed(0))  # fmt: skip
+    assert tree.valid[:, :2].all()

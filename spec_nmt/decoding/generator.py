@@ -111,7 +111,17 @@ class SpeculativeGenerator:
         return self._rng
 
     @torch.no_grad()
-    def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, **unused):
+    def generate(
+        self,
+        models,
+        sample: Dict,
+        prefix_tokens=None,
+        constraints=None,
+        trace: Optional[List[Dict]] = None,
+        **unused,
+    ):
+        """fairseq's hypotheses per sentence. With a ``trace`` list, one record per sentence and
+        iteration is appended to it (see ``_trace_records``)."""
         if prefix_tokens is not None or constraints is not None:
             raise SpecNmtError("speculative decoding does not support prefix tokens or constraints")
         net_input = sample["net_input"]
@@ -161,6 +171,9 @@ class SpeculativeGenerator:
             # 3. accept a path, then the correction/bonus token
             path, n_accepted, next_tokens = self._accept(tree, logprobs, rng)
             path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
+            if trace is not None:
+                trace.extend(self._trace_records(rows, row_tokens, row_lengths, tree, logprobs,
+                                                 path, n_accepted, next_tokens))  # fmt: skip
             emitted, n_emitted, ended = _emitted_tokens(path_tokens, n_accepted, next_tokens, self.eos)
             # 4. commit: append, keep [pending, accepted path] in both caches, drop finished rows
             kept_entries = torch.cat([torch.zeros_like(pending), path.clamp(min=0) + 1], dim=1)
@@ -212,6 +225,31 @@ class SpeculativeGenerator:
         path = torch.where(chain < n_accepted.unsqueeze(1), chain, torch.full_like(chain, -1))
         return path, n_accepted, next_tokens
 
+    def _trace_records(self, rows, tokens, lengths, tree, logprobs, path, n_accepted, next_tokens):
+        """What one iteration did for each row, as plain Python data: the verified prefix, the
+        draft tree, the verifier's best candidates at every block entry (its beta best, at
+        least 3) with log-probs, the accepted path and the correction/bonus token."""
+        n_best = min(max(self.beta, 3), logprobs.size(2))
+        best_logprobs, best_tokens = logprobs.topk(n_best, dim=2)
+        records = []
+        for i, row in enumerate(rows.tolist()):
+            n = int(n_accepted[i])
+            accepted = path[i, :n].tolist()
+            records.append({
+                "sentence": row,
+                "prefix": tokens[i, 1 : int(lengths[i]) + 1].tolist(),
+                "draft_tokens": tree.tokens[i].tolist(),
+                "draft_parents": tree.parents[i].tolist(),
+                "candidates": best_tokens[i].tolist(),
+                "candidate_logprobs": best_logprobs[i].float().tolist(),
+                "accepted_path": accepted,
+                "next_token": int(next_tokens[i]),
+                # a bonus token follows an entry without children to try; else a correction
+                "next_kind": "bonus" if _is_leaf(tree, i, accepted[-1] if n else -1) else "correction",
+                "ended_by_accepted_eos": bool(n and tree.tokens[i, accepted[-1]] == self.eos),
+            })  # fmt: skip
+        return records
+
     def _select(self, verifier_state, drafter_state, keep: Tensor):
         """Keep only rows ``keep``: the verifier's state changes in place, the drafter's new state
         is returned."""
@@ -251,6 +289,11 @@ class SpeculativeGenerator:
     def log_summary(self) -> None:
         if self.stats.sentences:
             logger.info(self.stats.summary())
+
+
+def _is_leaf(tree: DraftTree, row: int, node: int) -> bool:
+    """Whether a node (-1: the root) of a row's draft tree has no valid children."""
+    return not bool((tree.parents[row].eq(node) & tree.valid[row]).any())
 
 
 def _emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos: int):
