@@ -1,15 +1,23 @@
-"""Let torch >= 2.6 load fairseq checkpoints.
+"""Let torch >= 2.6 load fairseq checkpoints, and name the file when one cannot be read.
 
 torch.load defaults to ``weights_only=True`` since torch 2.6, and fairseq's checkpoint loader does
 not opt out, so checkpoints holding their training configuration (an ``argparse.Namespace``, older
 ones numpy scalars) fail to load. The types below are plain data containers; allowing them keeps
 the safe loader on instead of turning it off.
+
+fairseq's tools print a long traceback for a truncated or corrupt checkpoint, or for one trained
+with another dictionary than the data directory's (whether given as --path, --drafter-path or in
+a model directory); wrapping fairseq's two loaders turns these into one line naming the file.
 """
 
 import argparse
+import functools
 
 import numpy
 import torch
+from fairseq import checkpoint_utils
+
+from spec_nmt.errors import SpecNmtError
 
 
 def _numpy_scalar_types():
@@ -25,3 +33,47 @@ def _numpy_scalar_types():
 
 if hasattr(torch.serialization, "add_safe_globals"):
     torch.serialization.add_safe_globals([argparse.Namespace, *_numpy_scalar_types()])
+
+
+def _naming_unreadable_files(load):
+    @functools.wraps(load)
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        try:
+            return load(path, *args, **kwargs)
+        except FileNotFoundError as error:
+            raise SpecNmtError(f"checkpoint {path}: no such file") from error
+        except Exception as error:  # torch.load's errors for truncated, corrupt, foreign files
+            reason = str(error).split(". ")[0].splitlines()[0] if str(error) else ""
+            raise SpecNmtError(
+                f"{path} is not a readable fairseq checkpoint ({type(error).__name__}: {reason}); "
+                "it is truncated, corrupt or not a checkpoint: copy it again or re-save it"
+            ) from error
+
+    return load_checkpoint_to_cpu
+
+
+def _naming_mismatched_files(load):
+    @functools.wraps(load)
+    def load_model_ensemble_and_task(filenames, *args, **kwargs):
+        try:
+            return load(filenames, *args, **kwargs)
+        except RuntimeError as error:
+            mismatch = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
+            if not mismatch:
+                raise
+            raise SpecNmtError(
+                f"{', '.join(map(str, filenames))} does not fit the model built from the data "
+                f"directory ({mismatch[0]}): it was trained with another dictionary (dict.*.txt) "
+                "or architecture; use the data directory or model directory it was trained with"
+            ) from error
+
+    return load_model_ensemble_and_task
+
+
+if not hasattr(checkpoint_utils.load_checkpoint_to_cpu, "__wrapped__"):
+    checkpoint_utils.load_checkpoint_to_cpu = _naming_unreadable_files(
+        checkpoint_utils.load_checkpoint_to_cpu
+    )
+    checkpoint_utils.load_model_ensemble_and_task = _naming_mismatched_files(
+        checkpoint_utils.load_model_ensemble_and_task
+    )

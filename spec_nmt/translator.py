@@ -25,7 +25,9 @@ import torch
 from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.generator import SpeculativeGenerator
+from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.models.spec_drafter import MASK_SYMBOL
 from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
 
 logger = logging.getLogger(__name__)
@@ -87,7 +89,8 @@ class SpecTranslator:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         verifier = verifier.to(device=device, dtype=torch.float32).eval()
         drafter = task.load_drafter(str(drafter_path), verifier)
-        spm_model = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "spm.model"))
+        spm_model = _load_sentencepiece(model_dir / "spm.model", task.source_dictionary,
+                                        model_dir / f"dict.{source_lang}.txt")  # fmt: skip
         return cls(task, verifier, drafter, spm_model, defaults)
 
     @property
@@ -162,8 +165,8 @@ class SpecTranslator:
 
     def _decode(self, generator, sentences, batch_size: int):
         single = isinstance(sentences, str)
-        lines = [sentences] if single else list(sentences)
-        if not all(isinstance(line, str) for line in lines):
+        lines = [sentences] if single else sentences
+        if not isinstance(lines, (list, tuple)) or not all(isinstance(x, str) for x in lines):
             raise SpecNmtError("sentences must be a string or a list of strings")
         tokens = self.encode(lines)
         outputs: List[str] = [""] * len(lines)
@@ -194,15 +197,30 @@ def _split_settings(settings: Dict) -> Tuple[Dict, Dict]:
 
 
 def _load_verifier(path: Path, task: SpecTranslationTask):
-    try:
-        state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
-    except Exception as error:  # truncated, corrupt or not a torch file at all
-        raise SpecNmtError(
-            f"{path} is not a readable fairseq checkpoint ({type(error).__name__}); "
-            "re-export the model directory with scripts/export_model.py"
-        ) from error
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
     (verifier,), _ = checkpoint_utils.load_model_ensemble([str(path)], task=task, state=state)
+    TransformerVerifier(verifier, role=str(path))  # refuses what cannot verify, naming the file
     return verifier
+
+
+def _load_sentencepiece(path: Path, dictionary, dictionary_path: Path):
+    """The sentencepiece model, refused when the dictionary was not built from its pieces (most
+    input would become <unk>)."""
+    try:
+        model = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as error:
+        raise SpecNmtError(f"{path} is not a readable sentencepiece model ({error})") from error
+    pieces = {model.id_to_piece(i) for i in range(model.get_piece_size())}
+    words = [w for w in dictionary.symbols[dictionary.nspecial :]
+             if w != MASK_SYMBOL and not w.startswith("madeupword")]  # fmt: skip
+    known = sum(word in pieces for word in words)
+    if known < 0.9 * len(words):
+        raise SpecNmtError(
+            f"{path} does not match {dictionary_path}: only {known} of {len(words)} dictionary "
+            "entries are pieces of this sentencepiece model; put the spm.model the training data "
+            "were encoded with into the model directory"
+        )
+    return model
 
 
 def _clean(line: str) -> str:

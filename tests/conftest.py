@@ -42,13 +42,13 @@ def fairseq(tool, *args, input_text=None, check=True):
         input=input_text,
         stdin=None if input_text is not None else subprocess.DEVNULL,
         capture_output=True,
-        text=True,
+        text=not isinstance(input_text, bytes),  # bytes in, bytes out
         timeout=600,
     )
     if check and result.returncode != 0:
         raise AssertionError(
             f"fairseq-{tool} {' '.join(map(str, args))} exited with {result.returncode}:\n"
-            f"{result.stderr[-4000:]}"
+            f"{result.stderr[-4000:]!s}"
         )
     return result
 

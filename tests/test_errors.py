@@ -82,6 +82,32 @@ def test_drafter_trained_with_another_dictionary(toy, tmp_path):
     assert_one_line_error(result, "different dictionary", str(toy["bin"]))
 
 
+def test_truncated_verifier_checkpoint(toy, tmp_path):
+    broken = tmp_path / "verifier.pt"
+    data = toy["verifier"].read_bytes()
+    broken.write_bytes(data[: len(data) // 3])
+    result = interactive(toy, "--path", broken)
+    assert_one_line_error(result, str(broken), "not a readable fairseq checkpoint")
+
+
+def test_drafter_given_as_the_verifier(toy):
+    result = interactive(toy, "--path", toy["drafter"])
+    assert_one_line_error(result, "--path", "is a Spec-Drafter, not a verifier", "--drafter-path")
+
+
+def test_verifier_with_another_data_directory(toy, tmp_path):
+    other_raw = tmp_path / "raw"
+    shutil.copytree(toy["raw"], other_raw)
+    with open(other_raw / "train.en", "a") as extra:  # more new words than the size padding
+        extra.write(" ".join(f"brandnew{i}" for i in range(20)) + "\n")
+    other_bin = preprocess(other_raw, tmp_path / "bin")
+    result = fairseq(
+        "interactive", other_bin, "--task", "spec_translation", "--path", toy["verifier"],
+        "--drafter-path", toy["drafter"], *COMMON, input_text="s1 s2\n", check=False,
+    )  # fmt: skip
+    assert_one_line_error(result, str(toy["verifier"]), "does not fit", "another dictionary")
+
+
 def test_training_a_non_drafter_with_the_task(toy, tmp_path):
     result = fairseq(
         "train", toy["bin"], "--user-dir", USER_DIR, "--task", "spec_translation",

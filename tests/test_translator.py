@@ -34,7 +34,8 @@ def stock_greedy(translator, lines):
     )  # fmt: skip
     outputs = [None] * len(lines)
     with torch.inference_mode():
-        for indices, sample in translator.batches(translator.encode(lines), 3):
+        # one at a time: SequenceGenerator caps a whole batch by its longest source
+        for indices, sample in translator.batches(translator.encode(lines), 1):
             for line, hypos in zip(indices, generator.generate([translator.verifier], sample)):
                 outputs[line] = translator.decode(hypos[0]["tokens"])
     return outputs

@@ -54,8 +54,9 @@ class DecodingStats:
 
 class SpeculativeGenerator:
     """Generates translations like ``SequenceGenerator`` (``--beam 1``, or ``--sampling`` for the
-    sampling rules) with the same length limits, penalties and hypothesis format (tokens, score,
-    positional_scores from the verifier).
+    sampling rules) with the same penalties, hypothesis format (tokens, score, positional_scores
+    from the verifier) and length limits, except that each sentence's limit comes from its own
+    source length rather than the batch's padded width (see ``_max_lengths``).
 
     ``verify`` picks the rule: ``top_beta`` (greedy drafts, ``beta``/``tau``), ``sampling``
     (speculative sampling over a sampled chain) or ``rsd`` (recursive rejection sampling over a
@@ -126,17 +127,20 @@ class SpeculativeGenerator:
             raise SpecNmtError("speculative decoding does not support prefix tokens or constraints")
         net_input = sample["net_input"]
         src_tokens = net_input["src_tokens"]
-        bsz, src_len = src_tokens.shape[:2]
-        # Same limit as SequenceGenerator, which takes the padded source length of the batch.
-        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
-        if self.min_len > max_len:
+        bsz = src_tokens.size(0)
+        src_lengths = net_input.get("src_lengths")
+        if src_lengths is None:
+            src_lengths = src_tokens.ne(self.pad).sum(dim=1)
+        max_lens = self._max_lengths(src_lengths)
+        if self.min_len > int(max_lens.min()):
             raise SpecNmtError("--min-len cannot be larger than the maximum output length")
         rng = self.rng(src_tokens.device)
 
         slack = self.plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
-        tokens = src_tokens.new_full((bsz, max_len + 2 + slack), self.pad)
+        width = int(max_lens.max())
+        tokens = src_tokens.new_full((bsz, width + 2 + slack), self.pad)
         tokens[:, 0] = self.eos
-        token_scores = torch.zeros(bsz, max_len + 1 + slack, device=src_tokens.device)
+        token_scores = torch.zeros(bsz, width + 1 + slack, device=src_tokens.device)
         lengths = src_tokens.new_zeros(bsz)  # verified output tokens per row
         iterations = src_tokens.new_zeros(bsz)
         accepted = src_tokens.new_zeros(bsz)
@@ -144,8 +148,9 @@ class SpeculativeGenerator:
 
         verifier_state = self.verifier.start(net_input)
         drafter_state = self.drafter.start(net_input)
-        # Empty source lines get an empty translation without running the decoder.
-        has_source = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).any(dim=1)
+        # Empty source lines (the appended EOS only) get an empty translation without running
+        # the decoder; a typed "</s>" is text and gets translated, as by SequenceGenerator.
+        has_source = src_lengths > 1
         tokens[~has_source, 1] = self.eos
         lengths[~has_source] = 1
         for row in (~has_source).nonzero().squeeze(1).tolist():
@@ -167,7 +172,7 @@ class SpeculativeGenerator:
             visible = None if plan.is_chain else block_visibility(tree.parents)
             block = torch.cat([pending, tree.tokens], dim=1)
             logprobs = self.verifier.score_block(verifier_state, block, depths, visible)
-            logprobs = self._search_constraints(logprobs, row_lengths, depths, max_len)
+            logprobs = self._search_constraints(logprobs, row_lengths, depths, max_lens[rows])
             # 3. accept a path, then the correction/bonus token
             path, n_accepted, next_tokens = self._accept(tree, logprobs, rng)
             path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
@@ -256,8 +261,19 @@ class SpeculativeGenerator:
         self.verifier.select_rows(verifier_state, keep)
         return self.drafter.select_rows(drafter_state, keep)
 
+    def _max_lengths(self, src_lengths: Tensor) -> Tensor:
+        """Each sentence's output length limit, max_len_a * its source length + max_len_b, in
+        SequenceGenerator's arithmetic. SequenceGenerator takes the padded width of the batch
+        instead; a per-sentence limit keeps a translation independent of what else is in its
+        batch (the same as SequenceGenerator's for a sentence decoded alone)."""
+        limits = [
+            min(int(self.max_len_a * length + self.max_len_b), self.max_len - 1)
+            for length in src_lengths.tolist()
+        ]
+        return torch.tensor(limits, device=src_lengths.device)
+
     def _search_constraints(
-        self, logprobs: Tensor, lengths: Tensor, depths: Tensor, max_len: int
+        self, logprobs: Tensor, lengths: Tensor, depths: Tensor, max_lens: Tensor
     ) -> Tensor:
         """The adjustments SequenceGenerator makes to every step's log-probs, for every block
         entry at once (the token predicted at an entry of depth d is output step lengths + d)."""
@@ -267,7 +283,7 @@ class SpeculativeGenerator:
         steps = lengths.unsqueeze(1) + depths
         not_eos = torch.ones(logprobs.size(2), dtype=torch.bool, device=logprobs.device)
         not_eos[self.eos] = False
-        force_eos = steps.ge(max_len).unsqueeze(2) & not_eos
+        force_eos = steps.ge(max_lens.unsqueeze(1)).unsqueeze(2) & not_eos
         logprobs = logprobs.masked_fill(force_eos, float("-inf"))
         ban_eos = steps.lt(self.min_len).unsqueeze(2) & ~not_eos
         return logprobs.masked_fill(ban_eos, float("-inf"))

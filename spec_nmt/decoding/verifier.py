@@ -25,6 +25,7 @@ from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor
 
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.models.spec_drafter import SpecDrafterModel
 
 
 class VerifierState:
@@ -50,6 +51,12 @@ class TransformerVerifier:
             raise SpecNmtError(
                 f"{role} must be a fairseq Transformer encoder-decoder translation "
                 f"model, got {type(model).__name__}"
+            )
+        if isinstance(model, SpecDrafterModel):
+            raise SpecNmtError(
+                f"{role} is a Spec-Drafter, not a verifier: the verifier is the Transformer "
+                "trained with --task translation (--path, verifier.pt), the drafter goes to "
+                "--drafter-path (drafter.pt)"
             )
         unsupported = decoder.cross_self_attention or decoder.adaptive_softmax is not None
         for layer in decoder.layers:

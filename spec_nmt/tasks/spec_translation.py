@@ -10,6 +10,7 @@
 
 import atexit
 import copy
+import io
 import logging
 import os
 import sys
@@ -188,6 +189,7 @@ class SpecTranslationTask(TranslationTask):
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
         _check_generation_args(args, len(models), self.cfg.verify)
+        _tolerant_stdin()
         drafter = self.load_drafter(self.cfg.drafter_path, models[0])
         # fairseq-generate/-interactive seed torch with --seed just before this call
         generator = self.speculative_generator(models[0], drafter, args, seed=torch.initial_seed())
@@ -229,13 +231,7 @@ class SpecTranslationTask(TranslationTask):
         stock Transformer translation model (autoregressive drafter)."""
         if not os.path.isfile(path):
             raise SpecNmtError(f"--drafter-path {path}: no such file")
-        try:
-            state = checkpoint_utils.load_checkpoint_to_cpu(path)
-        except Exception as error:  # truncated, corrupt or not a torch file at all
-            raise SpecNmtError(
-                f"--drafter-path {path} is not a readable fairseq checkpoint "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
-            ) from error
+        state = checkpoint_utils.load_checkpoint_to_cpu(path)
         arch = _checkpoint_arch(state)
         autoregressive = arch is not None and arch.startswith("transformer")
         if arch is None or not (arch.startswith("spec_drafter") or autoregressive):
@@ -278,6 +274,17 @@ class SpecTranslationTask(TranslationTask):
                 tokens[i] = torch.cat([line_tokens[: limit - 1], line_tokens.new_tensor([eos])])
                 lengths[i] = limit
         return tokens, lengths
+
+
+def _tolerant_stdin() -> None:
+    """fairseq-interactive reads stdin with Python's defaults, so an invalid UTF-8 byte kills it
+    and a lone carriage return splits a line in two. Before anything is read, make bad bytes
+    U+FFFD and only newlines end lines, so N input lines always give N outputs."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        try:
+            sys.stdin.reconfigure(errors="replace", newline="\n")
+        except (OSError, ValueError):  # already read from (e.g. the API in a REPL): leave it
+            pass
 
 
 def _with_mask(dictionary):
