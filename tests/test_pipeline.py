@@ -121,8 +121,9 @@ def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     result = json.loads(out.read_text())
     rows = {row["system"]: row for row in result["rows"]}
     assert set(rows) == {"fairseq greedy", "fairseq beam5", "spec lossless k=5", "spec k=5 beta=3 tau=1.0"}
+    # the reference is greedy of each sentence alone: batched stock greedy caps a row's length
+    # by the batch's longest source, speculative decoding by the sentence's own
     assert rows["spec lossless k=5"]["identical_to_greedy"] == 20
-    assert rows["spec lossless k=5"]["bleu"] == rows["fairseq greedy"]["bleu"]
     assert rows["spec lossless k=5"]["mean_accepted_per_iteration"] > 0.5
     assert "nrefs:1|case:mixed|eff:no|tok:13a" in result["sacrebleu_signature"]
     assert result["environment"]["torch"] == torch.__version__
@@ -219,4 +220,4 @@ def test_benchmark_sweep_picks_settings_by_the_rule(pipeline, tmp_path):
     assert result["best"]["beta"] == 3  # the only top-beta/tau row
     assert result["best_lossless"]["beta"] == 1
     lossless = [row for row in result["rows"][2:] if row["beta"] == 1]
-    assert all(row["bleu"] == result["rows"][0]["bleu"] for row in lossless)
+    assert len({row["bleu"] for row in lossless}) == 1  # the same output whatever k
