@@ -309,8 +309,9 @@ def sampling(args):
             }
             # Block efficiency over the large-batch run of all lines: the batch-1 runs reset the
             # generator's statistics per sentence.
-            for key in ("tokens_per_verifier_call", "mean_accepted_per_iteration"):
-                row[key] = batched[name].get(key, 1.0 if key == "tokens_per_verifier_call" else 0.0)
+            fairseq_values = {"tokens_per_verifier_call": 1.0, "mean_accepted_per_iteration": 0.0}
+            for key, fairseq_value in fairseq_values.items():
+                row[key] = batched[name].get(key, fairseq_value)
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {

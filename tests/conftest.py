@@ -13,6 +13,7 @@ from tests.toy_corpus import write_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = str(REPO / "spec_nmt")
+BUNDLED_MODEL_DIR = REPO / "data" / "models" / "bench-de-en"
 BIN = Path(sys.executable).parent
 
 TINY_TRANSFORMER = (

@@ -4,14 +4,13 @@ never dies on input; lossless output equals the verifier's greedy output whereve
 can translate the line at all."""
 
 import os
-from pathlib import Path
 
 import pytest
 import sentencepiece
 
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.translator import SpecTranslator
-from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq
+from tests.conftest import BLOCK_SIZE, BUNDLED_MODEL_DIR, USER_DIR, fairseq
 from tests.test_lossless import hypotheses
 
 LONG_WORDS = " ".join(f"s{i % 40}" for i in range(2000))  # past the models' 1024 positions
@@ -96,12 +95,11 @@ def test_interactive_gives_one_output_per_line_in_order_and_stays_lossless(toy):
             assert found[i] == ""
 
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "models" / "bench-de-en"
 
 
 @pytest.fixture(scope="module")
 def translator():
-    return SpecTranslator.from_pretrained(MODEL_DIR, block_size=6, max_len_a=0, max_len_b=12)
+    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, block_size=6, max_len_a=0, max_len_b=12)
 
 
 def test_the_api_gives_one_output_per_line_and_stays_lossless(translator):
@@ -127,9 +125,9 @@ def model_dir_with(tmp_path, **replaced):
     links to other files."""
     directory = tmp_path / "model"
     directory.mkdir()
-    for name in os.listdir(MODEL_DIR):
+    for name in os.listdir(BUNDLED_MODEL_DIR):
         target = directory / name
-        content = replaced.get(name, MODEL_DIR / name)
+        content = replaced.get(name, BUNDLED_MODEL_DIR / name)
         if isinstance(content, bytes):
             target.write_bytes(content)
         else:
@@ -138,7 +136,7 @@ def model_dir_with(tmp_path, **replaced):
 
 
 def half(name):
-    data = (MODEL_DIR / name).read_bytes()
+    data = (BUNDLED_MODEL_DIR / name).read_bytes()
     return data[: len(data) // 2]
 
 
@@ -153,7 +151,7 @@ def other_sentencepiece_model(tmp_path):
 
 
 def bigger_dictionary():
-    words = (MODEL_DIR / "dict.en.txt").read_text()
+    words = (BUNDLED_MODEL_DIR / "dict.en.txt").read_text()
     return (words + "".join(f"extraword{i} 1\n" for i in range(8))).encode()
 
 
@@ -164,7 +162,7 @@ BAD_MODEL_DIRECTORIES = {
                           "drafter.pt is not a readable fairseq checkpoint"),
     "empty verifier": ({"verifier.pt": lambda tmp: b""},
                        "verifier.pt is not a readable fairseq checkpoint"),
-    "drafter as verifier": ({"verifier.pt": lambda tmp: MODEL_DIR / "drafter.pt"},
+    "drafter as verifier": ({"verifier.pt": lambda tmp: BUNDLED_MODEL_DIR / "drafter.pt"},
                             "verifier.pt is a Spec-Drafter, not a verifier"),
     "garbage sentencepiece": ({"spm.model": lambda tmp: b"not a model"},
                               "spm.model is not a readable sentencepiece model"),

@@ -3,13 +3,11 @@ one sentence at a time, on the bundled pair, in lossless and top-β mode. The se
 length so that batches are padded, and several make the small model run to its length limit,
 which SequenceGenerator would take from the batch's longest source."""
 
-from pathlib import Path
-
 import pytest
 
 from spec_nmt.translator import SpecTranslator
+from tests.conftest import BUNDLED_MODEL_DIR
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "models" / "bench-de-en"
 SENTENCES = [
     "Ja.",
     "Danke schön!",
@@ -34,7 +32,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def translator():
-    return SpecTranslator.from_pretrained(MODEL_DIR, device="cpu")
+    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
 
 
 @pytest.mark.parametrize(

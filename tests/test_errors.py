@@ -69,14 +69,19 @@ def test_unreadable_drafter_checkpoint(toy, tmp_path, content):
     )
 
 
-def test_drafter_trained_with_another_dictionary(toy, tmp_path):
+def data_with_extra_lines(toy, tmp_path, en_line, de_line=None):
+    """The toy data-bin preprocessed again with extra training lines: another dictionary."""
     other_raw = tmp_path / "raw"
     shutil.copytree(toy["raw"], other_raw)
-    with open(other_raw / "train.en", "a") as extra:
-        extra.write("brandnew words only here\n")
-    with open(other_raw / "train.de", "a") as extra:
-        extra.write("ganz neue wörter\n")
-    other_bin = preprocess(other_raw, tmp_path / "bin")
+    for lang, line in (("en", en_line), ("de", de_line)):
+        if line is not None:
+            with open(other_raw / f"train.{lang}", "a") as extra:
+                extra.write(line + "\n")
+    return preprocess(other_raw, tmp_path / "bin")
+
+
+def test_drafter_trained_with_another_dictionary(toy, tmp_path):
+    other_bin = data_with_extra_lines(toy, tmp_path, "brandnew words only here", "ganz neue wörter")
     train_drafter(other_bin, tmp_path / "drafter", 1)
     result = interactive(toy, drafter=tmp_path / "drafter" / "checkpoint_last.pt")
     assert_one_line_error(result, "different dictionary", str(toy["bin"]))
@@ -96,11 +101,8 @@ def test_drafter_given_as_the_verifier(toy):
 
 
 def test_verifier_with_another_data_directory(toy, tmp_path):
-    other_raw = tmp_path / "raw"
-    shutil.copytree(toy["raw"], other_raw)
-    with open(other_raw / "train.en", "a") as extra:  # more new words than the size padding
-        extra.write(" ".join(f"brandnew{i}" for i in range(20)) + "\n")
-    other_bin = preprocess(other_raw, tmp_path / "bin")
+    # more new words than the dictionary's size padding absorbs
+    other_bin = data_with_extra_lines(toy, tmp_path, " ".join(f"brandnew{i}" for i in range(20)))
     result = fairseq(
         "interactive", other_bin, "--task", "spec_translation", "--path", toy["verifier"],
         "--drafter-path", toy["drafter"], *COMMON, input_text="s1 s2\n", check=False,

@@ -7,14 +7,12 @@ import struct
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import pytest
 
 from spec_nmt.translator import SpecTranslator
+from tests.conftest import BUNDLED_MODEL_DIR, REPO
 
-REPO = Path(__file__).resolve().parent.parent
-MODEL_DIR = REPO / "data" / "models" / "bench-de-en"
 SENTENCES = ["Das Haus ist groß.", "Guten Morgen, <Welt> & Co."]
 
 
@@ -22,7 +20,7 @@ SENTENCES = ["Das Haus ist groß.", "Guten Morgen, <Welt> & Co."]
 def trace_page(tmp_path_factory):
     out = tmp_path_factory.mktemp("trace") / "trace.html"
     subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "trace.py"), str(MODEL_DIR), *SENTENCES,
+        [sys.executable, str(REPO / "scripts" / "trace.py"), str(BUNDLED_MODEL_DIR), *SENTENCES,
          "--block-size", "6", "--output", str(out)],
         check=True, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -32,7 +30,7 @@ def trace_page(tmp_path_factory):
 def test_the_page_shows_every_iteration_and_the_lossless_translation(trace_page):
     page = trace_page.read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "http" not in page
-    translations = SpecTranslator.from_pretrained(MODEL_DIR).translate(SENTENCES, block_size=6)
+    translations = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR).translate(SENTENCES, block_size=6)
     sections = page.split("<h2>")[1:]
     assert len(sections) == len(SENTENCES)
     for section, translation in zip(sections, translations):

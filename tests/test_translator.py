@@ -1,16 +1,14 @@
 """The Python API on the bundled model pair: text in, text out, in order, exactly the verifier's
 greedy translation in lossless mode, reproducible samples, per-sentence statistics, clear errors."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.translator import SpecTranslator
+from tests.conftest import BUNDLED_MODEL_DIR
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "models" / "bench-de-en"
 SENTENCES = [
     "Guten Morgen.",
     "Das Haus ist groß.",
@@ -24,7 +22,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def translator():
-    return SpecTranslator.from_pretrained(MODEL_DIR, block_size=6)
+    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, block_size=6)
 
 
 def stock_greedy(translator, lines):
