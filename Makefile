@@ -14,12 +14,17 @@ MODEL_DIR ?= data/models/bench-de-en
 BLOCK_SIZE ?= 10
 BETA ?= 1
 TAU ?= 0
+BATCH_SIZE ?= 64
+SPLIT ?= 1
 
+# spec_nmt_torch_load writes its .pth into site-packages, which lets stock fairseq tools load
+# checkpoints with torch >= 2.6 (an editable install cannot carry that file itself).
 $(STAMP): setup.py requirements.txt requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements.txt -r requirements-test.txt
 	$(PIP) install -q --no-deps -e .
+	$(PY) -m spec_nmt_torch_load
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -29,19 +34,25 @@ test: $(STAMP)
 
 # Translate German with speculative decoding on CPU: from INPUT=file, else from stdin, else (at a
 # terminal) the example sentences in data/examples.de. Prints one English line per input line;
-# FAIRSEQ_OUTPUT=1 shows fairseq-interactive's own S-/H-/D-/P- output and logs instead.
+# lines of several sentences are split and joined again (SPLIT=0: one line = one sentence), files
+# are decoded in batches of BATCH_SIZE sentences with a progress bar. FAIRSEQ_OUTPUT=1 runs
+# fairseq-interactive instead (one line = one sentence) and shows its S-/H-/D-/P- output and logs.
 translate: $(STAMP)
 	@for f in verifier.pt drafter.pt dict.de.txt dict.en.txt spm.model; do \
 	  test -f $(MODEL_DIR)/$$f || { echo "make translate: $(MODEL_DIR)/$$f is missing (set MODEL_DIR to a model pair, see README)" >&2; exit 1; }; \
 	done
+ifdef FAIRSEQ_OUTPUT
 	@if [ -n "$(INPUT)" ]; then cat "$(INPUT)"; elif [ -t 0 ]; then cat data/examples.de; else cat; fi | \
 	PYTHONWARNINGS=ignore $(VENV)/bin/fairseq-interactive $(MODEL_DIR) --user-dir spec_nmt --task spec_translation \
 	  --source-lang de --target-lang en --path $(MODEL_DIR)/verifier.pt \
 	  --drafter-path $(MODEL_DIR)/drafter.pt --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) \
-	  --bpe sentencepiece --sentencepiece-model $(MODEL_DIR)/spm.model --cpu 2>&1 | \
-	  if [ -n "$(FAIRSEQ_OUTPUT)" ]; then cat; else awk -F'\t' '/^D-[0-9]/ {print $$3; fflush(); next} \
-	    /^[SHPW]-[0-9]/ || ((/^(INFO|DEBUG):/ || /\| (INFO|DEBUG) \|/) && !/speculative decoding:/) {next} \
-	    {print > "/dev/stderr"}'; fi
+	  --bpe sentencepiece --sentencepiece-model $(MODEL_DIR)/spm.model --cpu
+else
+	@PYTHONWARNINGS=ignore $(VENV)/bin/spec-nmt-translate $(MODEL_DIR) --cpu \
+	  --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) --batch-size $(BATCH_SIZE) \
+	  $(if $(filter 0,$(SPLIT)),--no-split-sentences) \
+	  --input $(if $(INPUT),"$(INPUT)",$$([ -t 0 ] && echo data/examples.de || echo -))
+endif
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,4 +1,22 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+from spec_nmt_torch_load import PTH_LINE, PTH_NAME
+
+
+class BuildWithPth(build_py):
+    """Also put spec_nmt_torch_load.pth at the top of site-packages, so that stock fairseq tools
+    in this environment load fairseq checkpoints with torch >= 2.6 (see spec_nmt_torch_load.py)."""
+
+    def run(self):
+        super().run()
+        (Path(self.build_lib) / PTH_NAME).write_text(PTH_LINE)
+
+    def get_outputs(self, include_bytecode=1):
+        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / PTH_NAME)]
+
 
 setup(
     name="spec-nmt",
@@ -7,6 +25,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["spec_nmt", "spec_nmt.*"]),
+    py_modules=["spec_nmt_torch_load"],
+    cmdclass={"build_py": BuildWithPth},
+    entry_points={"console_scripts": ["spec-nmt-translate = spec_nmt.translate_cli:main"]},
     python_requires=">=3.9",
     install_requires=[
         "torch>=2.0",
@@ -14,6 +35,8 @@ setup(
         've-fairseq==0.12.3; python_version >= "3.11" and python_version < "3.13"',
         "sacrebleu>=2.0",
         "sentencepiece>=0.1.99",
+        "sentence-splitter>=1.4",
+        "tqdm>=4",
     ],
     extras_require={"test": ["pytest>=7", "scipy>=1.10"]},
     license="MIT",

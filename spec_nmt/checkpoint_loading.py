@@ -1,38 +1,19 @@
-"""Let torch >= 2.6 load fairseq checkpoints, and name the file when one cannot be read.
-
-torch.load defaults to ``weights_only=True`` since torch 2.6, and fairseq's checkpoint loader does
-not opt out, so checkpoints holding their training configuration (an ``argparse.Namespace``, older
-ones numpy scalars) fail to load. The types below are plain data containers; allowing them keeps
-the safe loader on instead of turning it off.
+"""Let torch >= 2.6 load fairseq checkpoints (see spec_nmt_torch_load), and name the file when
+one cannot be read.
 
 fairseq's tools print a long traceback for a truncated or corrupt checkpoint, or for one trained
 with another dictionary than the data directory's (whether given as --path, --drafter-path or in
 a model directory); wrapping fairseq's two loaders turns these into one line naming the file.
 """
 
-import argparse
 import functools
 
-import numpy
-import torch
 from fairseq import checkpoint_utils
 
 from spec_nmt.errors import SpecNmtError
+from spec_nmt_torch_load import allow_fairseq_checkpoint_types
 
-
-def _numpy_scalar_types():
-    types = [numpy.dtype, numpy.ndarray]
-    core = getattr(numpy, "_core", None) or getattr(numpy, "core")
-    types.append(core.multiarray.scalar)
-    types.append(core.multiarray._reconstruct)
-    dtypes = getattr(numpy, "dtypes", None)
-    if dtypes is not None:
-        types.extend([dtypes.Float64DType, dtypes.Float32DType, dtypes.Int64DType])
-    return types
-
-
-if hasattr(torch.serialization, "add_safe_globals"):
-    torch.serialization.add_safe_globals([argparse.Namespace, *_numpy_scalar_types()])
+allow_fairseq_checkpoint_types()  # also done at fairseq import where spec-nmt is installed
 
 
 def _naming_unreadable_files(load):

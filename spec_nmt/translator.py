@@ -3,11 +3,13 @@
     from spec_nmt.translator import SpecTranslator
     translator = SpecTranslator.from_pretrained("data/models/bench-de-en", beta=3, tau=1.0)
     translator.translate("Guten Morgen.")
-    translator.translate(["Guten Morgen.", "Wie geht es dir?"], batch_size=32)
+    translator.translate(["Guten Morgen.", "Wie geht es dir? Gut."], batch_size=32)
     translator.sample("Guten Morgen.", temperature=0.7, verify="rsd", tree_branching="2,1,1")
-    translator.statistics  # per sentence of the last call: iterations, accepted tokens, ...
+    translator.statistics  # per line of the last call: sentences, iterations, accepted tokens, ...
 
-A model directory holds verifier.pt, drafter.pt, dict.{src,tgt}.txt and spm.model
+Each input line may hold several sentences: it is split into sentences, which are translated in
+batches, and their translations are joined into one output line (split_sentences=False sends each
+line as it is). A model directory holds verifier.pt, drafter.pt, dict.{src,tgt}.txt and spm.model
 (scripts/export_model.py writes one). Sentencepiece is applied to the input and removed from the
 output; decoding settings are the task's flags as keyword arguments (block_size, beta, tau,
 verify, tree_branching, tree_budget) plus fairseq's generation settings (max_len_a, max_len_b,
@@ -18,7 +20,7 @@ import dataclasses
 import logging
 from argparse import Namespace
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import sentencepiece
 import torch
@@ -28,10 +30,12 @@ from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
+from spec_nmt.sentences import join_sentences, split_sentences
 from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_BATCH_SIZE = 64
 TASK_SETTINGS = ("block_size", "beta", "tau", "verify", "tree_branching", "tree_budget")
 GENERATION_DEFAULTS = {
     "max_len_a": 1.2, "max_len_b": 10, "min_len": 1, "temperature": 1.0,
@@ -107,29 +111,42 @@ class SpecTranslator:
         return task.speculative_generator(self.verifier, self.drafter, args, seed=seed)
 
     # ----- text in, text out --------------------------------------------------------------
-    def translate(self, sentences: Union[str, Sequence[str]], batch_size: int = 64, **settings):
-        """Translate one sentence (returns a string) or a list (returns a list, same order)."""
+    def translate(
+        self,
+        lines: Union[str, Sequence[str]],
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        split_sentences: bool = True,
+        progress: Optional[Callable[[int], None]] = None,
+        **settings,
+    ):
+        """Translate one line (returns a string) or a list (returns a list, same order). A line
+        of several sentences is split, its sentences are translated in batches with all others
+        and joined again (``split_sentences=False`` sends each line as one sentence).
+        ``progress(n)`` is called whenever n more lines are done."""
         generator = self.generator(**settings)
         if generator.verify != "top_beta":
             raise SpecNmtError("translate() verifies greedy decoding; use sample() to sample")
-        return self._decode(generator, sentences, batch_size)
+        return self._decode(generator, lines, batch_size, split_sentences, progress)
 
     def sample(
         self,
-        sentences: Union[str, Sequence[str]],
+        lines: Union[str, Sequence[str]],
         temperature: float = 1.0,
         seed: int = 1,
         verify: str = "sampling",
-        batch_size: int = 64,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        split_sentences: bool = True,
+        progress: Optional[Callable[[int], None]] = None,
         **settings,
     ):
         """Sample translations exactly from the verifier (temperature, sampling_topk,
         sampling_topp), several tokens per verifier call; ``verify`` is ``sampling`` or ``rsd``
-        (then give tree_branching or tree_budget). Equal seeds give equal samples."""
+        (draft tree: tree_branching or tree_budget, else the default tree). Equal seeds give
+        equal samples. Lines are split into sentences as in translate()."""
         if verify not in ("sampling", "rsd"):
             raise SpecNmtError(f"sample() takes verify='sampling' or 'rsd', got {verify!r}")
         generator = self.generator(seed=seed, verify=verify, temperature=temperature, **settings)
-        return self._decode(generator, sentences, batch_size)
+        return self._decode(generator, lines, batch_size, split_sentences, progress)
 
     def encode(self, lines: Sequence[str]) -> List[torch.Tensor]:
         """Source token ids per line; a line longer than the models accept keeps its first
@@ -163,25 +180,56 @@ class SpecTranslator:
             sample = dataset.collater([dataset[i] for i in indices])
             yield sample["id"].tolist(), _to_device(sample, self.device)
 
-    def _decode(self, generator, sentences, batch_size: int):
-        single = isinstance(sentences, str)
-        lines = [sentences] if single else sentences
+    def _decode(self, generator, lines, batch_size: int, split: bool, progress):
+        single = isinstance(lines, str)
+        lines = [lines] if single else lines
         if not isinstance(lines, (list, tuple)) or not all(isinstance(x, str) for x in lines):
             raise SpecNmtError("sentences must be a string or a list of strings")
-        tokens = self.encode(lines)
-        outputs: List[str] = [""] * len(lines)
-        self.statistics = [{} for _ in lines]
+        language = self.task.cfg.source_lang
+        # The sentences of all lines in one list; owner[i] is the line of sentence i.
+        sentences, owner = [], []
+        for index, line in enumerate(lines):
+            pieces = split_sentences(_clean(line), language) if split else [line]
+            sentences.extend(pieces)
+            owner.extend([index] * len(pieces))
+        remaining = [0] * len(lines)
+        for index in owner:
+            remaining[index] += 1
+        if progress is not None and remaining.count(0):
+            progress(remaining.count(0))  # blank lines are done already
+        translations: List[str] = [""] * len(sentences)
+        statistics = [{} for _ in sentences]
         with torch.inference_mode():
-            for indices, sample in self.batches(tokens, batch_size):
-                for line, hypos in zip(indices, generator.generate([self.verifier], sample)):
+            for indices, sample in self.batches(self.encode(sentences), batch_size):
+                done = 0
+                for i, hypos in zip(indices, generator.generate([self.verifier], sample)):
                     best = hypos[0]
-                    outputs[line] = self.decode(best["tokens"].cpu())
-                    self.statistics[line] = {
+                    translations[i] = self.decode(best["tokens"].cpu())
+                    statistics[i] = {
                         "iterations": best.get("spec_iterations", 0),
                         "accepted_tokens": best.get("spec_accepted_tokens", 0),
                         "output_tokens": int(best["tokens"].numel()),
                         "score": float(best["score"]),
                     }
+                    remaining[owner[i]] -= 1
+                    done += remaining[owner[i]] == 0
+                if progress is not None and done:
+                    progress(done)
+        outputs = [[] for _ in lines]
+        self.statistics = [
+            {"sentences": 0, "iterations": 0, "accepted_tokens": 0, "output_tokens": 0, "score": 0.0}
+            for _ in lines
+        ]
+        for i, index in enumerate(owner):
+            outputs[index].append(translations[i])
+            line_statistics = self.statistics[index]
+            line_statistics["sentences"] += 1
+            for key in ("iterations", "accepted_tokens", "output_tokens"):
+                line_statistics[key] += statistics[i][key]
+            # a line's score is its sentences' mean score (per-token log-prob)
+            n = line_statistics["sentences"]
+            line_statistics["score"] += (statistics[i]["score"] - line_statistics["score"]) / n
+        outputs = [join_sentences(pieces) for pieces in outputs]
         return outputs[0] if single else outputs
 
 

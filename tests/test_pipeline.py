@@ -6,6 +6,7 @@ from the verifier's encoder (scripts/train_drafter.sh) -> compact model director
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -16,7 +17,7 @@ import torch
 from spec_nmt.data_prep import check_raw_dir
 from spec_nmt.errors import SpecNmtError
 from tests.conftest import BIN, REPO, TINY_DRAFTER, TINY_TRANSFORMER, fairseq
-from tests.toy_corpus import write_corpus
+from tests.toy_corpus import make_pairs, write_corpus
 
 TINY_OVERRIDES = [
     "--cpu", "--max-tokens", "2000", "--lr", "0.003", "--warmup-updates", "50", "--dropout", "0.0",
@@ -110,6 +111,22 @@ def test_make_translate_gives_greedy_output_line_by_line(pipeline):
     # The plugin translates an empty line as empty; stock fairseq decodes the bare EOS source.
     assert spec[3] == ""
     assert spec[:3] + spec[4:] == greedy_lines[:3] + greedy_lines[4:]
+
+
+def test_make_translate_decodes_a_file_in_batches_with_progress_like_one_by_one(pipeline, tmp_path):
+    lines = [source for source, _ in make_pairs(500, seed=11)]
+    lines[100] = ""
+    path = tmp_path / "file.de"
+    path.write_text("\n".join(lines) + "\n")
+    settings = ["make", "-s", "translate", f"MODEL_DIR={pipeline['model']}", "BLOCK_SIZE=5", "BETA=1",
+                "TAU=0", f"INPUT={path}"]  # fmt: skip
+    batched = run(*settings, "BATCH_SIZE=64")
+    one_by_one = run(*settings, "BATCH_SIZE=1", "SPLIT=0")
+    assert batched.stdout.splitlines() == one_by_one.stdout.splitlines()
+    assert len(batched.stdout.splitlines()) == 500 and batched.stdout.splitlines()[100] == ""
+    assert "500/500" in batched.stderr  # the progress bar
+    assert re.search(r"500 lines, 499 sentences, \d+ target tokens in [0-9.]+ s: [0-9.]+ sentences/s, "
+                     r"\d+ tokens/s", batched.stderr)  # fmt: skip
 
 
 def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):

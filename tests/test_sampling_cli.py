@@ -5,6 +5,11 @@ import shutil
 
 import pytest
 
+from spec_nmt.tasks.spec_translation import (
+    DEFAULT_TREE_BRANCHING,
+    SpecTranslationConfig,
+    SpecTranslationTask,
+)
 from tests.conftest import BLOCK_SIZE, OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, preprocess
 from tests.test_errors import assert_one_line_error
 from tests.test_lossless import hypotheses
@@ -35,6 +40,17 @@ def test_generate_samples_reproducibly_with_a_seed(toy, drafter, rule):
     assert first == again
 
 
+def test_rsd_without_tree_flags_draws_the_default_tree(toy):
+    result = fairseq(
+        "generate", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy["drafter"],
+        *SAMPLING, "--verify", "rsd", "--batch-size", 8, "--required-batch-size-multiple", 1,
+    )  # fmt: skip
+    assert len(hypotheses(result.stdout)) == 60
+    task_cfg = SpecTranslationConfig(data=str(toy["bin"]), verify="rsd")
+    default = SpecTranslationTask(task_cfg, None, None).draft_plan
+    assert default.branching == tuple(int(b) for b in DEFAULT_TREE_BRANCHING.split(","))
+
+
 def test_interactive_sampling_gives_every_line_one_output_in_order(toy):
     lines = (toy["raw"] / "test.de").read_text().splitlines()[:9]
     lines.insert(4, "")
@@ -53,8 +69,7 @@ def test_interactive_sampling_gives_every_line_one_output_in_order(toy):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--verify", "rsd"], "needs exactly one of --tree-branching"),
-        (["--verify", "rsd", "--tree-branching", "2,2", "--tree-budget", 4], "exactly one of"),
+        (["--verify", "rsd", "--tree-branching", "2,2", "--tree-budget", 4], "not both"),
         (["--verify", "rsd", "--tree-branching", "2,x"], "--tree-branching must be"),
         (["--verify", "rsd", "--tree-branching", "2,0"], "--tree-branching must be"),
         (["--verify", "rsd", "--tree-budget", 3, "--block-size", 4], "smaller than --block-size"),

@@ -33,6 +33,7 @@ from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel
 logger = logging.getLogger(__name__)
 
 VERIFY_CHOICES = ChoiceEnum(["top_beta", "sampling", "rsd"])
+DEFAULT_TREE_BRANCHING = "3,1"
 
 
 @dataclass
@@ -82,7 +83,9 @@ class SpecTranslationConfig(TranslationConfig):
         metadata={
             "help": "--verify rsd, RSD-C: comma-separated children per node at each depth "
             "(e.g. 3,2,2,1: the tree is as deep as the list is long), drawn without "
-            "replacement by Gumbel-top-k"
+            "replacement by Gumbel-top-k; with neither this nor --tree-budget, "
+            f"{DEFAULT_TREE_BRANCHING} (the most tokens per verifier call of the 6-node trees "
+            "on newstest2013, BENCHMARKS.md)"
         },
     )
     tree_budget: int = field(
@@ -189,7 +192,7 @@ class SpecTranslationTask(TranslationTask):
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
         _check_generation_args(args, len(models), self.cfg.verify)
-        _tolerant_stdin()
+        tolerant_stdin()
         drafter = self.load_drafter(self.cfg.drafter_path, models[0])
         # fairseq-generate/-interactive seed torch with --seed just before this call
         generator = self.speculative_generator(models[0], drafter, args, seed=torch.initial_seed())
@@ -276,7 +279,7 @@ class SpecTranslationTask(TranslationTask):
         return tokens, lengths
 
 
-def _tolerant_stdin() -> None:
+def tolerant_stdin() -> None:
     """fairseq-interactive reads stdin with Python's defaults, so an invalid UTF-8 byte kills it
     and a lone carriage return splits a line in two. Before anything is read, make bad bytes
     U+FFFD and only newlines end lines, so N input lines always give N outputs."""
@@ -321,14 +324,15 @@ def _draft_plan(cfg: SpecTranslationConfig) -> DraftPlan:
         if cfg.tree_branching or cfg.tree_budget:
             raise SpecNmtError("--tree-branching and --tree-budget need --verify rsd")
         return DraftPlan.chain(cfg.block_size, sample=cfg.verify == "sampling")
-    if bool(cfg.tree_branching) == bool(cfg.tree_budget):
+    if cfg.tree_branching and cfg.tree_budget:
         raise SpecNmtError(
-            "--verify rsd needs exactly one of --tree-branching (RSD-C, e.g. 3,2,2,1) and "
-            "--tree-budget (RSD-S, nodes per iteration)"
+            "--verify rsd takes one of --tree-branching (RSD-C, e.g. 3,2,2,1) and "
+            "--tree-budget (RSD-S, nodes per iteration), not both"
         )
-    if cfg.tree_branching:
+    if not cfg.tree_budget:
+        shape = cfg.tree_branching or DEFAULT_TREE_BRANCHING
         try:
-            branching = tuple(int(part) for part in cfg.tree_branching.split(","))
+            branching = tuple(int(part) for part in shape.split(","))
         except ValueError:
             branching = ()
         if not branching or min(branching) < 1:

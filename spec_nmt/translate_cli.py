@@ -1,0 +1,104 @@
+"""``spec-nmt-translate``: German text in, English text out, with a model directory.
+
+    spec-nmt-translate data/models/bench-de-en --input news.de > news.en
+    echo "Der Hund schläft. Es regnet." | spec-nmt-translate data/models/bench-de-en
+
+One output line per input line, in input order. Lines may hold several sentences (split, translated
+and joined again; --no-split-sentences turns that off). Input is read in buffers of
+--buffer-size lines; inside a buffer the sentences are sorted by length and decoded in batches of
+--batch-size. A progress bar (stderr) is shown for inputs of more than a few hundred lines, and the
+throughput is printed at the end. At a terminal each typed line is translated at once.
+"""
+
+import argparse
+import logging
+import sys
+import time
+from typing import List
+
+from tqdm import tqdm
+
+from spec_nmt.errors import SpecNmtError
+from spec_nmt.tasks.spec_translation import tolerant_stdin
+from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
+
+PROGRESS_MIN_LINES = 300
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="spec-nmt-translate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("model_dir", help="verifier.pt, drafter.pt, dict.*.txt, spm.model")
+    parser.add_argument("--input", default="-", help="text file to translate (default: standard input)")
+    parser.add_argument("--drafter-path", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
+    parser.add_argument("--block-size", type=int, default=None, help="k: drafted tokens per iteration (task default if unset)")
+    parser.add_argument("--beta", type=int, default=None, help="top-beta rule: accept drafts among the verifier's beta best")
+    parser.add_argument("--tau", type=float, default=None, help="top-beta rule: accept drafts within tau of the best log-prob")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch")
+    parser.add_argument("--buffer-size", type=int, default=1000,
+                        help="lines read before decoding; sentences are sorted by length inside a buffer")
+    parser.add_argument("--no-split-sentences", action="store_true",
+                        help="translate each line as one sentence (as fairseq-interactive does)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no throughput line")
+    parser.add_argument("--cpu", action="store_true", help="decode on the CPU even if CUDA is available")
+    args = parser.parse_args(argv)
+    if args.buffer_size < 1:
+        raise SpecNmtError(f"--buffer-size must be >= 1, got {args.buffer_size}")
+    return args
+
+
+def read_lines(path: str) -> List[str]:
+    """All lines of a file or of piped standard input; invalid UTF-8 becomes U+FFFD and only a
+    newline ends a line, so N lines in always means N lines out."""
+    if path == "-":
+        tolerant_stdin()
+        return [line.rstrip("\n") for line in sys.stdin]
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="\n") as handle:
+            return [line.rstrip("\n") for line in handle]
+    except OSError as error:
+        raise SpecNmtError(f"--input {path}: {error.strerror}") from error
+
+
+def main(argv=None):
+    # fairseq configures the root logger at DEBUG when imported; a translator wants warnings only.
+    logging.getLogger().setLevel(logging.WARNING)
+    args = parse_args(argv)
+    settings = {name: getattr(args, name) for name in ("block_size", "beta", "tau") if getattr(args, name) is not None}
+    translator = SpecTranslator.from_pretrained(
+        args.model_dir, drafter_path=args.drafter_path, device="cpu" if args.cpu else None, **settings
+    )
+    split = not args.no_split_sentences
+    if args.input == "-" and sys.stdin.isatty():
+        tolerant_stdin()
+        for line in sys.stdin:
+            print(translator.translate(line.rstrip("\n"), split_sentences=split), flush=True)
+        return
+
+    lines = read_lines(args.input)
+    show = not args.quiet and len(lines) > PROGRESS_MIN_LINES
+    sentences = output_tokens = 0
+    start = time.perf_counter()
+    with tqdm(total=len(lines), unit="line", disable=not show, file=sys.stderr, dynamic_ncols=True) as bar:
+        for first in range(0, len(lines), args.buffer_size):
+            buffer = lines[first : first + args.buffer_size]
+            translations = translator.translate(
+                buffer, batch_size=args.batch_size, split_sentences=split, progress=bar.update
+            )
+            sys.stdout.write("".join(t + "\n" for t in translations))
+            sys.stdout.flush()
+            sentences += sum(s["sentences"] for s in translator.statistics)
+            output_tokens += sum(s["output_tokens"] for s in translator.statistics)
+    seconds = time.perf_counter() - start
+    if not args.quiet:
+        print(
+            f"spec-nmt-translate: {len(lines)} lines, {sentences} sentences, {output_tokens} target "
+            f"tokens in {seconds:.1f} s: {sentences / max(seconds, 1e-9):.1f} sentences/s, "
+            f"{output_tokens / max(seconds, 1e-9):.0f} tokens/s",
+            file=sys.stderr,
+        )
+
+
+if __name__ == "__main__":
+    main()
