@@ -14,7 +14,6 @@ MODEL_DIR ?= data/models/bench-de-en
 BLOCK_SIZE ?= 10
 BETA ?= 1
 TAU ?= 0
-BATCH_SIZE ?= 64
 SPLIT ?= 1
 
 # spec_nmt_torch_load writes its .pth into site-packages, which lets stock fairseq tools load
@@ -35,7 +34,7 @@ test: $(STAMP)
 # Translate German with speculative decoding on CPU: from INPUT=file, else from stdin, else (at a
 # terminal) the example sentences in data/examples.de. Prints one English line per input line;
 # lines of several sentences are split and joined again (SPLIT=0: one line = one sentence), files
-# are decoded in batches of BATCH_SIZE sentences with a progress bar. FAIRSEQ_OUTPUT=1 runs
+# are decoded in batches (BATCH_SIZE sentences, default spec-nmt-translate's) with a progress bar. FAIRSEQ_OUTPUT=1 runs
 # fairseq-interactive instead (one line = one sentence) and shows its S-/H-/D-/P- output and logs.
 translate: $(STAMP)
 	@for f in verifier.pt drafter.pt dict.de.txt dict.en.txt spm.model; do \
@@ -48,10 +47,10 @@ ifdef FAIRSEQ_OUTPUT
 	  --drafter-path $(MODEL_DIR)/drafter.pt --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) \
 	  --bpe sentencepiece --sentencepiece-model $(MODEL_DIR)/spm.model --cpu
 else
-	@PYTHONWARNINGS=ignore $(VENV)/bin/spec-nmt-translate $(MODEL_DIR) --cpu \
-	  --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) --batch-size $(BATCH_SIZE) \
-	  $(if $(filter 0,$(SPLIT)),--no-split-sentences) \
-	  --input $(if $(INPUT),"$(INPUT)",$$([ -t 0 ] && echo data/examples.de || echo -))
+	@PYTHONWARNINGS=ignore $(VENV)/bin/spec-nmt-translate '$(MODEL_DIR)' --cpu \
+	  --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) $(if $(BATCH_SIZE),--batch-size $(BATCH_SIZE)) \
+	  $(if $(filter 0 no false,$(SPLIT)),--no-split-sentences) \
+	  --input $(if $(INPUT),'$(subst ','\'',$(INPUT))',$$([ -t 0 ] && echo data/examples.de || echo -))
 endif
 
 clean:

@@ -8,16 +8,22 @@ of turning it off.
 
 Installing spec-nmt puts ``spec_nmt_torch_load.pth`` into site-packages, which imports this module
 at interpreter start (``pip install .`` does it through setup.py; an editable install cannot carry
-the file, so ``make install`` runs ``python -m spec_nmt_torch_load``, which writes it). Importing it costs nothing: it only waits for ``fairseq`` to be imported and
-then allows the types, so programs that never import fairseq never import torch because of it.
+the file, so ``make install`` runs ``python -m spec_nmt_torch_load``, which writes it). Importing
+it costs nothing: it only waits for ``fairseq`` to be imported and then allows the types, so
+programs that never import fairseq never import torch because of it.
 """
 
 import importlib.abc
 import importlib.util
 import sys
+import threading
 
 PTH_NAME = "spec_nmt_torch_load.pth"
-PTH_LINE = "import spec_nmt_torch_load\n"
+# Tolerant of a removed package or checkout: a failing .pth line prints a traceback at every start.
+PTH_LINE = (
+    "import importlib.util as u; "
+    'u.find_spec("spec_nmt_torch_load") and __import__("spec_nmt_torch_load")\n'
+)
 
 
 def allow_fairseq_checkpoint_types() -> None:
@@ -30,7 +36,13 @@ def allow_fairseq_checkpoint_types() -> None:
     if not hasattr(torch.serialization, "add_safe_globals"):  # torch < 2.4 loads them anyway
         return
     core = getattr(numpy, "_core", None) or getattr(numpy, "core")
-    types = [argparse.Namespace, numpy.dtype, numpy.ndarray, core.multiarray.scalar, core.multiarray._reconstruct]
+    types = [
+        argparse.Namespace,
+        numpy.dtype,
+        numpy.ndarray,
+        core.multiarray.scalar,
+        core.multiarray._reconstruct,
+    ]
     dtypes = getattr(numpy, "dtypes", None)
     if dtypes is not None:
         types.extend([dtypes.Float64DType, dtypes.Float32DType, dtypes.Int64DType])
@@ -38,14 +50,21 @@ def allow_fairseq_checkpoint_types() -> None:
 
 
 class _AfterFairseqImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; when ``fairseq`` is found by the other finders, runs
-    allow_fairseq_checkpoint_types once the package has been executed."""
+    """Finds nothing itself: it wraps the loader that the other finders give for ``fairseq`` so
+    that allow_fairseq_checkpoint_types runs once the package is executed. It stays in place (a
+    lookup that only probes for fairseq executes nothing) and costs one comparison per import."""
+
+    def __init__(self):
+        self._looking = threading.local()
 
     def find_spec(self, name, path=None, target=None):
-        if name != "fairseq":
+        if name != "fairseq" or getattr(self._looking, "active", False):
             return None
-        sys.meta_path.remove(self)  # one-shot, and the lookup below must not find us again
-        spec = importlib.util.find_spec(name)
+        self._looking.active = True  # the lookup below asks us again: answer nothing then
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._looking.active = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute = spec.loader.exec_module

@@ -45,7 +45,7 @@ from fairseq.sequence_generator import SequenceGenerator
 import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
 from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
-from spec_nmt.translator import SpecTranslator
+from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 MAX_LEN_A, MAX_LEN_B = 1.2, 10  # the same output length limit for every system
 
@@ -378,7 +378,7 @@ def main():
     parser.add_argument("--src", required=True, help="raw source sentences, one per line")
     parser.add_argument("--ref", required=True, help="raw reference translations")
     parser.add_argument("--lines", type=int, default=None, help="use only the first N lines")
-    parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch in the throughput run")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch in the throughput run")
     parser.add_argument("--latency-lines", type=int, default=100, help="timed batch-1 sentences")
     parser.add_argument("--warmup-lines", type=int, default=5, help="untimed batch-1 sentences first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")

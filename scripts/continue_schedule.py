@@ -25,18 +25,26 @@ from spec_nmt.errors import SpecNmtError
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", type=Path, help="fairseq checkpoint without optimizer state")
     parser.add_argument("out", type=Path, help="where to write the resumable checkpoint")
-    parser.add_argument("--data", help="data-bin to build the model with (default: the one saved in the checkpoint)")
+    parser.add_argument(
+        "--data", help="data-bin to build the model with (default: the one saved in the checkpoint)"
+    )
     args = parser.parse_args()
 
     state = checkpoint_utils.load_checkpoint_to_cpu(str(args.checkpoint))
     if state.get("last_optimizer_state") is not None:
         raise SpecNmtError(f"{args.checkpoint} already has optimizer state: resume it as it is")
     history = state.get("optimizer_history") or []
-    if not history or history[-1].get("optimizer_name") != "FairseqAdam":
-        raise SpecNmtError(f"{args.checkpoint}: only checkpoints trained with --optimizer adam are supported")
+    optimizer_name = history[-1].get("optimizer_name") if history else None
+    if optimizer_name != "FairseqAdam":
+        raise SpecNmtError(
+            f"{args.checkpoint} was trained with {optimizer_name or 'an unknown optimizer'}; only "
+            "fp32 training with --optimizer adam is supported (fp16 keeps other optimizer state)"
+        )
     cfg = state["cfg"]
     if args.data:
         cfg.task.data = args.data
@@ -48,20 +56,24 @@ def main():
     optimizer = cfg.optimizer
     state["last_optimizer_state"] = {
         "state": {},
-        "param_groups": [{
-            "lr": cfg.optimization.lr[0],
-            "betas": tuple(ast.literal_eval(str(optimizer.adam_betas))),
-            "eps": optimizer.adam_eps,
-            "weight_decay": optimizer.weight_decay,
-            "amsgrad": False,
-            "params": list(range(parameter_count)),
-        }],
+        "param_groups": [
+            {
+                "lr": cfg.optimization.lr[0],
+                "betas": tuple(ast.literal_eval(str(optimizer.adam_betas))),
+                "eps": optimizer.adam_eps,
+                "weight_decay": optimizer.weight_decay,
+                "amsgrad": False,
+                "params": list(range(parameter_count)),
+            }
+        ],
     }
     # As fairseq saves it: plain containers, which torch.load(weights_only=True) accepts.
     state["cfg"] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     torch.save(state, args.out)
-    print(f"{args.out}: update {history[-1]['num_updates']}, epoch "
-          f"{state['extra_state']['train_iterator']['epoch']}, {parameter_count} parameter tensors")
+    print(
+        f"{args.out}: update {history[-1]['num_updates']}, epoch "
+        f"{state['extra_state']['train_iterator']['epoch']}, {parameter_count} parameter tensors"
+    )
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ import logging
 
 # Importing fairseq logs hints at INFO (e.g. "Please install tensorboardX") that say nothing to a
 # user of this plugin; where fairseq is imported first (its own CLIs), this changes nothing.
-logging.disable(logging.INFO)
-# checkpoint_loading comes first: it lets torch >= 2.6 load fairseq checkpoints.
-# The other imports register the task, model and criterion with fairseq.
-from spec_nmt import checkpoint_loading, criterions, models, tasks  # noqa: F401,E402
-from spec_nmt.errors import install_error_hook  # noqa: E402
-
-logging.disable(logging.NOTSET)
+_disabled = logging.root.manager.disable
+logging.disable(max(_disabled, logging.INFO))
+try:
+    # checkpoint_loading comes first: it lets torch >= 2.6 load fairseq checkpoints.
+    # The other imports register the task, model and criterion with fairseq.
+    from spec_nmt import checkpoint_loading, criterions, models, tasks  # noqa: F401
+    from spec_nmt.errors import install_error_hook
+finally:
+    logging.disable(_disabled)
 
 install_error_hook()

@@ -18,6 +18,7 @@ min_len, temperature, sampling_topk, sampling_topp).
 
 import dataclasses
 import logging
+import unicodedata
 from argparse import Namespace
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -184,12 +185,13 @@ class SpecTranslator:
         single = isinstance(lines, str)
         lines = [lines] if single else lines
         if not isinstance(lines, (list, tuple)) or not all(isinstance(x, str) for x in lines):
-            raise SpecNmtError("sentences must be a string or a list of strings")
+            raise SpecNmtError("lines must be a string or a list of strings")
         language = self.task.cfg.source_lang
         # The sentences of all lines in one list; owner[i] is the line of sentence i.
         sentences, owner = [], []
         for index, line in enumerate(lines):
-            pieces = split_sentences(_clean(line), language) if split else [line]
+            text = _clean(line)
+            pieces = split_sentences(text, language) if split else [text] if text else []
             sentences.extend(pieces)
             owner.extend([index] * len(pieces))
         remaining = [0] * len(lines)
@@ -217,7 +219,7 @@ class SpecTranslator:
                     progress(done)
         outputs = [[] for _ in lines]
         self.statistics = [
-            {"sentences": 0, "iterations": 0, "accepted_tokens": 0, "output_tokens": 0, "score": 0.0}
+            {"sentences": 0, "iterations": 0, "accepted_tokens": 0, "output_tokens": 0, "score": None}
             for _ in lines
         ]
         for i, index in enumerate(owner):
@@ -226,9 +228,9 @@ class SpecTranslator:
             line_statistics["sentences"] += 1
             for key in ("iterations", "accepted_tokens", "output_tokens"):
                 line_statistics[key] += statistics[i][key]
-            # a line's score is its sentences' mean score (per-token log-prob)
-            n = line_statistics["sentences"]
-            line_statistics["score"] += (statistics[i]["score"] - line_statistics["score"]) / n
+            # a line's score is its sentences' mean score (per-token log-prob); None when blank
+            n, score = line_statistics["sentences"], line_statistics["score"] or 0.0
+            line_statistics["score"] = score + (statistics[i]["score"] - score) / n
         outputs = [join_sentences(pieces) for pieces in outputs]
         return outputs[0] if single else outputs
 
@@ -272,8 +274,12 @@ def _load_sentencepiece(path: Path, dictionary, dictionary_path: Path):
 
 
 def _clean(line: str) -> str:
-    """One line of text: line breaks inside it would split it, control characters mean nothing."""
-    return "".join(" " if not ch.isprintable() else ch for ch in line).strip()
+    """One line of text: line breaks inside it would split it and control characters mean
+    nothing (both become spaces); invisible format characters such as soft hyphens and
+    zero-width spaces are dropped, since a space would split the word they sit in."""
+    return "".join(
+        "" if unicodedata.category(ch) == "Cf" else ch if ch.isprintable() else " " for ch in line
+    ).strip()
 
 
 def _to_device(sample: Dict, device: torch.device) -> Dict:

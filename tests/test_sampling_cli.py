@@ -48,7 +48,8 @@ def test_rsd_without_tree_flags_draws_the_default_tree(toy):
     assert len(hypotheses(result.stdout)) == 60
     task_cfg = SpecTranslationConfig(data=str(toy["bin"]), verify="rsd")
     default = SpecTranslationTask(task_cfg, None, None).draft_plan
-    assert default.branching == tuple(int(b) for b in DEFAULT_TREE_BRANCHING.split(","))
+    assert DEFAULT_TREE_BRANCHING == "3,1"  # as measured and documented (BENCHMARKS.md, README)
+    assert default.branching == (3, 1) and default.sample
 
 
 def test_interactive_sampling_gives_every_line_one_output_in_order(toy):
