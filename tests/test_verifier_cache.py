@@ -10,25 +10,55 @@ from fairseq.models.transformer import TransformerModel, base_architecture
 
 from spec_nmt.decoding.tree import block_visibility
 from spec_nmt.decoding.verifier import TransformerVerifier
+from spec_nmt.errors import SpecNmtError
 
 VOCAB = 24
 
 
-def tiny_transformer(learned_positions=False, seed=0):
+# Every decoder shape a user can train with fairseq's transformer flags (--decoder-normalize-before,
+# --layernorm-embedding, --decoder-learned-pos, --no-scale-embedding, --scale-*): block scoring
+# must decode each of them exactly.
+DECODER_VARIANTS = {
+    "post-norm (default)": {},
+    "pre-norm": {"encoder_normalize_before": True, "decoder_normalize_before": True},
+    "layernorm-embedding": {"layernorm_embedding": True},
+    "learned positions": {"learned_positions": True},
+    "no-scale-embedding": {"no_scale_embedding": True},
+    "scale-attn": {"scale_attn": True},
+    "scale-fc": {"scale_fc": True},
+    "scale-heads": {"scale_heads": True},
+    "scale-resids": {"scale_resids": True},
+    "no positional embeddings": {"no_token_positional_embeddings": True},
+    "decoder output dim != embed dim": {"share_all_embeddings": False, "decoder_output_dim": 24},
+    "pre-norm, all scale-*, layernorm-embedding": {
+        "encoder_normalize_before": True, "decoder_normalize_before": True,
+        "layernorm_embedding": True, "scale_attn": True, "scale_fc": True, "scale_heads": True,
+        "scale_resids": True,
+    },
+}  # fmt: skip
+
+
+def tiny_transformer(learned_positions=False, seed=0, **variant):
     dictionary = Dictionary()
     for i in range(VOCAB):
         dictionary.add_symbol(f"w{i}")
     args = Namespace(
         encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
         encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
-        decoder_attention_heads=4, share_all_embeddings=True, dropout=0.0,
+        decoder_attention_heads=4, dropout=0.0,
         max_source_positions=64, max_target_positions=64,
         decoder_learned_pos=learned_positions, encoder_learned_pos=learned_positions,
+        **{"share_all_embeddings": True, **variant},
     )  # fmt: skip
     base_architecture(args)
     torch.manual_seed(seed)
     dictionaries = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
-    return TransformerModel.build_model(args, dictionaries).eval(), dictionary
+    model = TransformerModel.build_model(args, dictionaries).eval()
+    with torch.no_grad():  # scale-* weights start as ones; make them matter
+        for name, parameter in model.named_parameters():
+            if name.endswith(("c_attn", "w_resid")):
+                parameter.uniform_(0.5, 1.5)
+    return model, dictionary
 
 
 def random_tokens(dictionary, *shape):
@@ -56,10 +86,31 @@ def commit_prefix(verifier, state, width, keep):
     verifier.commit(state, entries, torch.tensor(keep))
 
 
-@pytest.mark.parametrize("learned_positions", [False, True])
+def decoder_shape(model):
+    """Which of the variant options the built decoder really has (the test would prove nothing
+    if fairseq ignored a flag)."""
+    decoder, layer = model.decoder, model.decoder.layers[0]
+    return {
+        "decoder_normalize_before": layer.normalize_before,
+        "layernorm_embedding": decoder.layernorm_embedding is not None,
+        "learned_positions": type(decoder.embed_positions).__name__ == "LearnedPositionalEmbedding",
+        "no_scale_embedding": decoder.embed_scale == 1.0,
+        "scale_attn": layer.attn_ln is not None,
+        "scale_fc": layer.ffn_layernorm is not None,
+        "scale_heads": layer.c_attn is not None,
+        "scale_resids": layer.w_resid is not None,
+        "no_token_positional_embeddings": decoder.embed_positions is None,
+        "decoder_output_dim": decoder.project_out_dim is not None,
+    }
+
+
+@pytest.mark.parametrize("variant", list(DECODER_VARIANTS))
 @torch.no_grad()
-def test_blocks_and_rollbacks_match_full_recomputation(learned_positions):
-    model, dictionary = tiny_transformer(learned_positions)
+def test_blocks_and_rollbacks_match_full_recomputation(variant):
+    options = DECODER_VARIANTS[variant]
+    model, dictionary = tiny_transformer(**options)
+    built = {name for name, present in decoder_shape(model).items() if present}
+    assert built == set(options) - {"encoder_normalize_before", "share_all_embeddings"}
     verifier = TransformerVerifier(model)
     net_input = source_batch(dictionary, 3)
     state = verifier.start(net_input)
@@ -207,3 +258,13 @@ def test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation():
         sequence = torch.cat([prefixes[b], kept, following[b]]).unsqueeze(0)
         reference = full_forward_logprobs(model, row_input, sequence)[0, -2:]
         torch.testing.assert_close(scores[b], reference, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"cross_self_attention": True}, {"share_all_embeddings": False, "adaptive_softmax_cutoff": "10"}],
+)
+def test_decoders_that_block_scoring_cannot_reproduce_are_refused_with_one_line(options):
+    model, _ = tiny_transformer(**options)
+    with pytest.raises(SpecNmtError, match="uses --cross-self-attention, an adaptive softmax"):
+        TransformerVerifier(model)
