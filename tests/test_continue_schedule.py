@@ -24,21 +24,20 @@ def test_a_weights_only_checkpoint_resumes_at_its_update_count(toy, tmp_path):
     torch.save(state, weights_only)
     made = continue_schedule(weights_only, resumable, "--data", toy["bin"])
     assert made.returncode == 0, made.stderr[-2000:]
-    log = fairseq(
-        "train", toy["bin"], "--arch", "transformer", *TINY_TRANSFORMER, *OPTIMIZATION,
-        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", 0.1,
-        "--max-update", updates + 5, "--save-dir", tmp_path / "save", "--continue-once", resumable,
-    )  # fmt: skip
-    text = log.stdout + log.stderr
-    assert f"Loaded checkpoint {resumable} (epoch" in text and f"@ {updates} updates)" in text
-    assert f"num_updates {updates + 5}" in text
+
+    def train():
+        log = fairseq(
+            "train", toy["bin"], "--arch", "transformer", *TINY_TRANSFORMER, *OPTIMIZATION,
+            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", 0.1,
+            "--max-update", updates + 5, "--save-dir", tmp_path / "save", "--continue-once", resumable,
+        )  # fmt: skip
+        return log.stdout + log.stderr
+
+    first = train()
+    assert f"Loaded checkpoint {resumable} (epoch" in first and f"@ {updates} updates)" in first
+    assert f"num_updates {updates + 5}" in first
     # the same command again resumes from the save directory, not from the warm start
-    again = fairseq(
-        "train", toy["bin"], "--arch", "transformer", *TINY_TRANSFORMER, *OPTIMIZATION,
-        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", 0.1,
-        "--max-update", updates + 5, "--save-dir", tmp_path / "save", "--continue-once", resumable,
-    )  # fmt: skip
-    assert f"@ {updates + 5} updates" in again.stdout + again.stderr
+    assert f"@ {updates + 5} updates" in train()
 
 
 def test_a_checkpoint_with_optimizer_state_is_refused(toy, tmp_path):
