@@ -18,6 +18,13 @@ temperature, with systems named kind:shape (chain:K, rsd-c:B1-B2-..., rsd-s:WIDT
     python scripts/benchmark.py sampling MODEL_DIR --src test.de --ref test.en \
         --temperatures 1.0,0.7 --systems chain:6,rsd-c:2-1-1,rsd-s:2x3 --json BENCHMARKS-sampling.json
 
+The ceiling of the loop (an oracle drafter that proposes the verifier's own greedy translation,
+so every draft is accepted), the real drafter, and each iteration's cost in greedy steps split into
+draft, score, accept and commit, per batch size:
+
+    python scripts/benchmark.py ceiling MODEL_DIR --src valid.de --lines 64 --block 10 \
+        --batch-sizes 1,32,64 --json BENCHMARKS-ceiling.json
+
 MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py);
 --drafter PATH replaces drafter.pt (e.g. an autoregressive drafter).
 Systems: fairseq greedy and beam 5 (stock SequenceGenerator), speculative lossless (beta 1,
@@ -45,6 +52,7 @@ from fairseq.sequence_generator import SequenceGenerator
 import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
 from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
+from spec_nmt.decoding.tree import chain
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 MAX_LEN_A, MAX_LEN_B = 1.2, 10  # the same output length limit for every system
@@ -261,6 +269,138 @@ def run(args):
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
+class OracleDrafter:
+    """A drafter that knows the verifier's greedy translation of every sentence and proposes its
+    next k tokens. Every draft passes the lossless rule and drafting costs next to nothing, so
+    speculative decoding with it measures the ceiling of the loop itself."""
+
+    def __init__(self, continuations, pad: int, eos: int, max_positions: int):
+        self.continuations = continuations  # source tokens (tuple) -> greedy output with EOS
+        self.pad, self.eos, self._max_positions = pad, eos, max_positions
+
+    def max_positions(self) -> int:
+        return self._max_positions
+
+    def start(self, net_input):
+        sources = net_input["src_tokens"]
+        outputs = [self.continuations[tuple(row[row.ne(self.pad)].tolist())] for row in sources]
+        state = sources.new_full((len(outputs), max(map(len, outputs)) + 1), self.eos)
+        for row, output in enumerate(outputs):
+            state[row, : len(output)] = output
+        return state
+
+    def propose(self, state, tokens, lengths, plan, generator):
+        # tokens[b, 1 : lengths[b] + 1] are the first lengths[b] output tokens: draft the next k
+        index = lengths.unsqueeze(1) + torch.arange(plan.depth, device=lengths.device)
+        return chain(state.gather(1, index.clamp(max=state.size(1) - 1)))
+
+    def commit(self, state, keep, n_keep):
+        """Nothing to keep: the drafts come from the known translation."""
+
+    def select_rows(self, state, rows):
+        return state.index_select(0, rows)
+
+
+class PhaseTimer:
+    """Seconds spent in each phase of the speculative loop, by wrapping the methods that make up
+    each phase on one generator and its verifier and drafter."""
+
+    PHASES = {
+        "draft": [("drafter", "propose")],
+        "score": [("verifier", "score_block")],
+        "accept": [("generator", "_accept"), ("generator", "_search_constraints")],
+        "commit": [("verifier", "commit"), ("drafter", "commit"), ("verifier", "select_rows"),
+                   ("drafter", "select_rows")],
+    }  # fmt: skip
+
+    def __init__(self, generator: SpeculativeGenerator):
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        owners = {"generator": generator, "verifier": generator.verifier, "drafter": generator.drafter}
+        for phase, methods in self.PHASES.items():
+            for owner, method in methods:
+                self._wrap(owners[owner], method, phase)
+
+    def _wrap(self, owner, method: str, phase: str):
+        original = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = original(*args, **kwargs)
+            self.seconds[phase] += time.perf_counter() - start
+            return result
+
+        setattr(owner, method, timed)
+
+
+def greedy_steps(pair, outputs, tokens, batch_size) -> int:
+    """Decoder steps fairseq's greedy search ran: per batch, the longest output (EOS included)."""
+    return sum(max(outputs[line].numel() for line in lines) for lines, _ in pair.batches(tokens, batch_size))
+
+
+def ceiling(args):
+    """Fairseq greedy against speculative lossless decoding with the oracle drafter (the ceiling
+    of the loop) and with the real drafter, per batch size, with each iteration's cost in greedy
+    steps split into draft, score, accept and commit."""
+    pair = load_pair(args)
+    src = read_lines(args.src, args.lines)
+    tokens = pair.encode(src)
+    greedy = fairseq_generator(pair, 1)
+    # the verifier's greedy translation of each sentence alone: what lossless decoding must give
+    alone = decode_all(pair, {"greedy": greedy}, tokens, 1)["greedy"]["tokens"]
+    continuations = {tuple(t.tolist()): out for t, out in zip(tokens, alone)}
+    dictionary = pair.tgt_dict
+    rows = []
+    for batch_size in args.batch_sizes:
+        oracle = pair.generator(block_size=args.block)
+        oracle.drafter = OracleDrafter(continuations, dictionary.pad(), dictionary.eos(),
+                                       pair.verifier.decoder.max_positions())  # fmt: skip
+        systems = {"fairseq greedy": greedy, "spec lossless, oracle drafter": oracle,
+                   "spec lossless, real drafter": pair.generator(block_size=args.block)}  # fmt: skip
+        decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
+        timers = {name: PhaseTimer(g) for name, g in systems.items() if name != "fairseq greedy"}
+        results = decode_all(pair, systems, tokens, batch_size)
+        base = results["fairseq greedy"]
+        step = base["seconds"] / greedy_steps(pair, base["tokens"], tokens, batch_size)
+        output_tokens = sum(t.numel() for t in base["tokens"])
+        for name, result in results.items():
+            row = {"batch_size": batch_size, "system": name, "block": args.block,
+                   "ms_per_output_token": round(1000 * result["seconds"] / output_tokens, 2),
+                   "speedup_vs_greedy": round(base["seconds"] / result["seconds"], 2),
+                   "identical_to_greedy": sum(torch.equal(a, b) for a, b in zip(result["tokens"], alone))}  # fmt: skip
+            if name in timers:
+                calls = systems[name].stats.batched_verifier_calls
+                row["tokens_per_verifier_call"] = result["tokens_per_verifier_call"]
+                row["greedy_steps_per_iteration"] = round(result["seconds"] / calls / step, 2)
+                for phase, seconds in timers[name].seconds.items():
+                    row[f"{phase}_greedy_steps"] = round(seconds / calls / step, 2)
+                row["other_greedy_steps"] = round(
+                    (result["seconds"] - sum(timers[name].seconds.values())) / calls / step, 2)
+            else:
+                row["greedy_step_ms"] = round(1000 * step, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"mode": "ceiling", "lines": len(src), "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
+              "environment": environment(), "rows": rows}  # fmt: skip
+    print(ceiling_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def ceiling_table(result):
+    columns = [
+        ("batch_size", "batch"), ("system", "system"), ("ms_per_output_token", "ms/token"),
+        ("speedup_vs_greedy", "× greedy"), ("tokens_per_verifier_call", "tokens/iteration"),
+        ("greedy_steps_per_iteration", "iteration (greedy steps)"), ("draft_greedy_steps", "draft"),
+        ("score_greedy_steps", "score"), ("accept_greedy_steps", "accept"),
+        ("commit_greedy_steps", "commit"), ("other_greedy_steps", "other"),
+        ("identical_to_greedy", f"= greedy (of {result['lines']})"),
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
+    for row in result["rows"]:
+        lines.append("| " + " | ".join(str(row.get(key, "–")) for key, _ in columns) + " |")
+    return "\n".join(lines)
+
+
 def draft_plan(text):
     """chain:K, rsd-c:B1-B2-... or rsd-s:WIDTHxDEPTH → (name, decoding settings)."""
     kind, _, shape = text.partition(":")
@@ -373,10 +513,10 @@ def comma_list(kind):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["sweep", "run", "sampling"])
+    parser.add_argument("mode", choices=["sweep", "run", "sampling", "ceiling"])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--src", required=True, help="raw source sentences, one per line")
-    parser.add_argument("--ref", required=True, help="raw reference translations")
+    parser.add_argument("--ref", default=None, help="raw reference translations (not for ceiling)")
     parser.add_argument("--lines", type=int, default=None, help="use only the first N lines")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch in the throughput run")
     parser.add_argument("--latency-lines", type=int, default=100, help="timed batch-1 sentences")
@@ -399,11 +539,15 @@ def main():
     parser.add_argument("--systems", type=comma_list(draft_plan),
                         default=[draft_plan(x) for x in ("chain:6", "rsd-c:2-1-1", "rsd-s:2x3")],
                         help="sampling: chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH")
+    parser.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32, 64],
+                        help="ceiling: batch sizes to measure")
     args = parser.parse_args()
+    if args.mode != "ceiling" and args.ref is None:
+        parser.error(f"{args.mode} needs --ref")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    {"sweep": sweep, "run": run, "sampling": sampling}[args.mode](args)
+    {"sweep": sweep, "run": run, "sampling": sampling, "ceiling": ceiling}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,25 @@ def test_make_translate_decodes_a_file_in_batches_with_progress_like_one_by_one(
                      r"\d+ tokens/s", batched.stderr)  # fmt: skip
 
 
+def test_benchmark_ceiling_mode_accepts_every_oracle_draft(pipeline, tmp_path):
+    out = tmp_path / "ceiling.json"
+    run(sys.executable, "scripts/benchmark.py", "ceiling", pipeline["model"],
+        "--src", pipeline["raw"] / "test.de", "--lines", 12, "--block", 5, "--batch-sizes", "1,4",
+        "--warmup-lines", 1, "--json", out)  # fmt: skip
+    rows = {(row["batch_size"], row["system"]): row for row in json.loads(out.read_text())["rows"]}
+    for batch in (1, 4):
+        oracle = rows[(batch, "spec lossless, oracle drafter")]
+        real = rows[(batch, "spec lossless, real drafter")]
+        assert oracle["identical_to_greedy"] == real["identical_to_greedy"] == 12
+        # every draft accepted: k accepted + 1 bonus token per iteration, less at sentence ends
+        assert oracle["tokens_per_verifier_call"] > max(real["tokens_per_verifier_call"], 3)
+        assert oracle["draft_greedy_steps"] < real["draft_greedy_steps"]
+        phases = ("draft", "score", "accept", "commit", "other")
+        total = sum(oracle[f"{phase}_greedy_steps"] for phase in phases)
+        assert abs(total - oracle["greedy_steps_per_iteration"]) < 0.05
+        assert rows[(batch, "fairseq greedy")]["greedy_step_ms"] > 0
+
+
 def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     out = tmp_path / "bench.json"
     run(sys.executable, "scripts/benchmark.py", "run", pipeline["model"],
