@@ -90,6 +90,6 @@ if __name__ == "__main__":
 
     target = pathlib.Path(sysconfig.get_path("purelib"), PTH_NAME)
     target.write_text(PTH_LINE)
-    print(f"wrote {target}")
+    print(f"wrote {target}", file=sys.stderr)  # stdout may be a translation (make translate)
 else:
     install()

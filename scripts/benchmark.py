@@ -23,7 +23,10 @@ so every draft is accepted), the real drafter, and each iteration's cost in gree
 draft, score, accept and commit, per batch size:
 
     python scripts/benchmark.py ceiling MODEL_DIR --src valid.de --lines 64 --block 10 \
-        --batch-sizes 1,32,64 --json BENCHMARKS-ceiling.json
+        --batch-sizes 1,32,64 --ctranslate2 --json BENCHMARKS-ceiling.json
+
+(--ctranslate2 adds the verifier converted with CTranslate2, greedy in fp32 and int8, each run in
+a process of its own by scripts/ctranslate2_greedy.py.)
 
 MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py);
 --drafter PATH replaces drafter.pt (e.g. an autoregressive drafter).
@@ -41,6 +44,7 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -349,6 +353,7 @@ def ceiling(args):
     alone = decode_all(pair, {"greedy": greedy}, tokens, 1)["greedy"]["tokens"]
     continuations = {tuple(t.tolist()): out for t, out in zip(tokens, alone)}
     dictionary = pair.tgt_dict
+    ctranslate2 = ctranslate2_runs(args) if args.ctranslate2 else {}
     rows = []
     for batch_size in args.batch_sizes:
         oracle = pair.generator(block_size=args.block)
@@ -379,11 +384,45 @@ def ceiling(args):
                 row["greedy_step_ms"] = round(1000 * step, 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        fairseq_ms = 1000 * base["seconds"] / output_tokens
+        for compute_type, report in ctranslate2.items():
+            run_ = report[str(batch_size)]
+            ms = 1000 * run_["seconds"] / run_["output_tokens"]
+            greedy_text = [dictionary.string(t) for t in alone]
+            rows.append({"batch_size": batch_size, "system": f"CTranslate2 {report['ctranslate2']} greedy {compute_type}",
+                         "ms_per_output_token": round(ms, 2), "speedup_vs_greedy": round(fairseq_ms / ms, 2),
+                         "identical_to_greedy": sum(a == b for a, b in zip(run_["outputs"], greedy_text))})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
     result = {"mode": "ceiling", "lines": len(src), "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
               "environment": environment(), "rows": rows}  # fmt: skip
     print(ceiling_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def ctranslate2_runs(args):
+    """The verifier converted with CTranslate2's fairseq converter, greedy in fp32 and int8, each
+    timed in a process of its own (scripts/ctranslate2_greedy.py; never beside torch)."""
+    bin_dir = Path(sys.executable).parent
+    reports = {}
+    with tempfile.TemporaryDirectory() as converted:
+        subprocess.run(
+            [str(bin_dir / "ct2-fairseq-converter"), "--model_path", str(args.model_dir / "verifier.pt"),
+             "--data_dir", str(args.model_dir), "--source_lang", "de", "--target_lang", "en",
+             "--output_dir", converted, "--force"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        for compute_type in ("float32", "int8"):
+            out = subprocess.run(
+                [sys.executable, str(Path(__file__).parent / "ctranslate2_greedy.py"), converted,
+                 str(args.model_dir / "spm.model"), "--src", str(args.src),
+                 "--lines", str(args.lines or 10**9), "--warmup-lines", str(args.warmup_lines),
+                 "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--compute-type", compute_type,
+                 "--threads", str(torch.get_num_threads())],
+                check=True, capture_output=True, text=True,
+            ).stdout  # fmt: skip
+            reports[compute_type] = json.loads(out)
+    return reports
 
 
 def ceiling_table(result):
@@ -541,6 +580,9 @@ def main():
                         help="sampling: chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH")
     parser.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32, 64],
                         help="ceiling: batch sizes to measure")
+    parser.add_argument("--ctranslate2", action="store_true",
+                        help="ceiling: add CTranslate2 greedy rows (fp32, int8) of the same verifier "
+                        "(pip install ctranslate2)")
     args = parser.parse_args()
     if args.mode != "ceiling" and args.ref is None:
         parser.error(f"{args.mode} needs --ref")

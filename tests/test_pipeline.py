@@ -133,7 +133,7 @@ def test_benchmark_ceiling_mode_accepts_every_oracle_draft(pipeline, tmp_path):
     out = tmp_path / "ceiling.json"
     run(sys.executable, "scripts/benchmark.py", "ceiling", pipeline["model"],
         "--src", pipeline["raw"] / "test.de", "--lines", 12, "--block", 5, "--batch-sizes", "1,4",
-        "--warmup-lines", 1, "--json", out)  # fmt: skip
+        "--warmup-lines", 1, "--ctranslate2", "--json", out)  # fmt: skip
     rows = {(row["batch_size"], row["system"]): row for row in json.loads(out.read_text())["rows"]}
     for batch in (1, 4):
         oracle = rows[(batch, "spec lossless, oracle drafter")]
@@ -146,6 +146,9 @@ def test_benchmark_ceiling_mode_accepts_every_oracle_draft(pipeline, tmp_path):
         total = sum(oracle[f"{phase}_greedy_steps"] for phase in phases)
         assert abs(total - oracle["greedy_steps_per_iteration"]) < 0.05
         assert rows[(batch, "fairseq greedy")]["greedy_step_ms"] > 0
+    # the same verifier converted with CTranslate2 translates alike (fp32, one sentence at a time)
+    assert rows[(1, "CTranslate2 4.8.5 greedy float32")]["identical_to_greedy"] >= 11
+    assert rows[(4, "CTranslate2 4.8.5 greedy int8")]["ms_per_output_token"] > 0
 
 
 def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
