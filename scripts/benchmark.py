@@ -435,6 +435,15 @@ def ctranslate2_runs(args):
     return reports
 
 
+def table(columns, rows):
+    """Markdown table of ``rows`` (dicts) with ``columns`` [(key, title)]; "–" where a row has no
+    value."""
+    lines = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(key, "–")) for key, _ in columns) + " |")
+    return "\n".join(lines)
+
+
 def ceiling_table(result):
     columns = [
         ("batch_size", "batch"), ("system", "system"), ("ms_per_output_token", "ms/token"),
@@ -445,10 +454,7 @@ def ceiling_table(result):
         ("identical_to_greedy", f"= greedy (of {result['lines']})"),
         ("ctranslate2_threads", "CT2 threads"),
     ]  # fmt: skip
-    lines = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
-    for row in result["rows"]:
-        lines.append("| " + " | ".join(str(row.get(key, "–")) for key, _ in columns) + " |")
-    return "\n".join(lines)
+    return table(columns, result["rows"])
 
 
 def draft_plan(text):
@@ -523,11 +529,7 @@ def sampling_table(result):
         ("batch1_speedup_vs_fairseq", "batch-1 × fairseq"),
         (f"batch{batch}_speedup_vs_fairseq", f"batch-{batch} × fairseq"), ("bleu", "BLEU"),
     ]
-    lines = ["| " + " | ".join(title for _, title in columns) + " |",
-             "|" + "---|" * len(columns)]
-    for row in result["rows"]:
-        lines.append("| " + " | ".join(str(row.get(key, "–")) for key, _ in columns) + " |")
-    return "\n".join(lines)
+    return table(columns, result["rows"])
 
 
 def setting(text):
@@ -550,11 +552,7 @@ def markdown_table(result):
         ("verifier_calls_per_sentence", "verifier calls/sent"),
         ("identical_to_greedy", f"= greedy (of {result['lines']})"),
     ]
-    lines = ["| " + " | ".join(title for _, title in columns) + " |",
-             "|" + "---|" * len(columns)]
-    for row in result["rows"]:
-        lines.append("| " + " | ".join(str(row.get(key, "–")) for key, _ in columns) + " |")
-    return "\n".join(lines)
+    return table(columns, result["rows"])
 
 
 def comma_list(kind):
