@@ -34,8 +34,9 @@ test: $(STAMP)
 # Translate German with speculative decoding on CPU: from INPUT=file, else from stdin, else (at a
 # terminal) the example sentences in data/examples.de. Prints one English line per input line;
 # lines of several sentences are split and joined again (SPLIT=0: one line = one sentence), files
-# are decoded in batches (BATCH_SIZE sentences, default spec-nmt-translate's) with a progress bar. FAIRSEQ_OUTPUT=1 runs
-# fairseq-interactive instead (one line = one sentence) and shows its S-/H-/D-/P- output and logs.
+# are decoded in batches (BATCH_SIZE sentences, default spec-nmt-translate's) with a progress bar.
+# FAIRSEQ_OUTPUT=1 runs fairseq-interactive instead (one line = one sentence) and shows its
+# S-/H-/D-/P- output and logs.
 translate: $(STAMP)
 	@for f in verifier.pt drafter.pt dict.de.txt dict.en.txt spm.model; do \
 	  test -f $(MODEL_DIR)/$$f || { echo "make translate: $(MODEL_DIR)/$$f is missing (set MODEL_DIR to a model pair, see README)" >&2; exit 1; }; \

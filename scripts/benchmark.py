@@ -354,6 +354,7 @@ def ceiling(args):
     continuations = {tuple(t.tolist()): out for t, out in zip(tokens, alone)}
     dictionary = pair.tgt_dict
     ctranslate2 = ctranslate2_runs(args) if args.ctranslate2 else {}
+    greedy_text = [dictionary.string(t) for t in alone]  # CTranslate2 gives pieces, not ids
     rows = []
     for batch_size in args.batch_sizes:
         oracle = pair.generator(block_size=args.block)
@@ -388,7 +389,6 @@ def ceiling(args):
         for compute_type, report in ctranslate2.items():
             run_ = report[str(batch_size)]
             ms = 1000 * run_["seconds"] / run_["output_tokens"]
-            greedy_text = [dictionary.string(t) for t in alone]
             rows.append({"batch_size": batch_size, "system": f"CTranslate2 {report['ctranslate2']} greedy {compute_type}",
                          "ctranslate2_threads": run_["threads"],
                          "ms_per_output_token": round(ms, 2), "speedup_vs_greedy": round(fairseq_ms / ms, 2),
@@ -423,7 +423,8 @@ def ctranslate2_runs(args):
                      str(args.model_dir / "spm.model"), "--src", str(args.src),
                      "--lines", str(args.lines or 10**9), "--warmup-lines", str(args.warmup_lines),
                      "--batch-sizes", ",".join(map(str, args.batch_sizes)),
-                     "--compute-type", compute_type, "--threads", str(threads)],
+                     "--compute-type", compute_type, "--threads", str(threads),
+                     "--max-len-a", str(MAX_LEN_A), "--max-len-b", str(MAX_LEN_B)],
                     check=True, capture_output=True, text=True,
                 ).stdout  # fmt: skip
                 report = json.loads(out)

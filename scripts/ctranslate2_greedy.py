@@ -2,14 +2,14 @@
 """Greedy decoding of a converted verifier with CTranslate2, timed in a process of its own.
 
     python scripts/ctranslate2_greedy.py CT2_MODEL_DIR SPM_MODEL --src valid.de --lines 64 \
-        --batch-sizes 1,32,64 --compute-type int8 --threads 2
+        --batch-sizes 1,32,64 --compute-type int8 --threads 2 --max-len-a 1.2 --max-len-b 10
 
 CTranslate2 is what speed-minded CPU users run instead of fairseq, so it is the bar for speed.
 It must never share a process with torch (it ran 5x slower that way on this CPU), so this script
 imports neither torch nor fairseq; scripts/benchmark.py ceiling --ctranslate2 converts the
-verifier (ct2-fairseq-converter) and runs it. Sentences are sorted by length and batched as the
-benchmark batches them, the output limit is the benchmark's (1.2 x source tokens + 10), and the
-first --warmup-lines sentences are decoded once, untimed. Prints one JSON object: per batch size,
+verifier (ct2-fairseq-converter) and runs it with its own output limit (--max-len-a x source
+tokens + --max-len-b). Sentences are sorted by length and batched as the benchmark batches them,
+and the first --warmup-lines sentences are decoded once, untimed. Prints one JSON object: per batch size,
 seconds, output tokens (EOS counted, as fairseq counts it) and the output pieces per line.
 """
 
@@ -19,8 +19,6 @@ import time
 
 import ctranslate2
 import sentencepiece
-
-MAX_LEN_A, MAX_LEN_B = 1.2, 10
 
 
 def main():
@@ -35,6 +33,8 @@ def main():
     parser.add_argument("--compute-type", default="float32", help="float32, int8, ...")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
     parser.add_argument("--warmup-lines", type=int, default=5, help="untimed sentences first")
+    parser.add_argument("--max-len-a", type=float, required=True, help="output limit: a x source length")
+    parser.add_argument("--max-len-b", type=int, required=True, help="output limit: ... + b")
     args = parser.parse_args()
 
     spm = sentencepiece.SentencePieceProcessor(model_file=args.spm_model)
@@ -47,7 +47,7 @@ def main():
 
     def translate(batch):
         # fairseq counts the source's EOS in its length: so does the limit here
-        limit = int(MAX_LEN_A * max(len(p) + 1 for p in batch) + MAX_LEN_B)
+        limit = int(args.max_len_a * max(len(p) + 1 for p in batch) + args.max_len_b)
         results = translator.translate_batch(batch, beam_size=1, max_decoding_length=limit)
         return [result.hypotheses[0] for result in results]
 

@@ -167,8 +167,8 @@ def main(argv=None):
     stream = open_input(args.input)
     try:
         if stream is sys.stdin and stream.isatty():
+            split = not args.no_split_sentences
             for line in stream:  # typed at a terminal: each line at once
-                split = not args.no_split_sentences
                 print(translator.translate(line.rstrip("\n"), split_sentences=split), flush=True)
         else:
             translate_stream(translator, stream, args)

@@ -218,19 +218,22 @@ class SpecTranslator:
                 if progress is not None and done:
                     progress(done)
         outputs = [[] for _ in lines]
+        score_sums = [0.0] * len(lines)
         self.statistics = [
             {"sentences": 0, "iterations": 0, "accepted_tokens": 0, "output_tokens": 0, "score": None}
             for _ in lines
         ]
         for i, index in enumerate(owner):
             outputs[index].append(translations[i])
+            score_sums[index] += statistics[i]["score"]
             line_statistics = self.statistics[index]
             line_statistics["sentences"] += 1
             for key in ("iterations", "accepted_tokens", "output_tokens"):
                 line_statistics[key] += statistics[i][key]
+        for line_statistics, score_sum in zip(self.statistics, score_sums):
             # a line's score is its sentences' mean score (per-token log-prob); None when blank
-            n, score = line_statistics["sentences"], line_statistics["score"] or 0.0
-            line_statistics["score"] = score + (statistics[i]["score"] - score) / n
+            if line_statistics["sentences"]:
+                line_statistics["score"] = score_sum / line_statistics["sentences"]
         outputs = [join_sentences(pieces) for pieces in outputs]
         return outputs[0] if single else outputs
 
