@@ -311,8 +311,8 @@ class PhaseTimer:
 
     PHASES = {
         "draft": [("drafter", "propose")],
-        "score": [("verifier", "score_block")],
-        "accept": [("generator", "_accept"), ("generator", "_search_constraints")],
+        "score": [("verifier", "score_logits")],
+        "accept": [("generator", "_accept"), ("generator", "_constrain")],
         "commit": [("verifier", "commit"), ("drafter", "commit"), ("verifier", "select_rows"),
                    ("drafter", "select_rows")],
     }  # fmt: skip

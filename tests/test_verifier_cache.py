@@ -80,6 +80,10 @@ def source_batch(dictionary, batch, length=7):
     return {"src_tokens": src, "src_lengths": lengths}
 
 
+def block_logprobs(verifier, state, *block):
+    return verifier.score_logits(state, *block).log_softmax(dim=-1)
+
+
 def commit_prefix(verifier, state, width, keep):
     """Row b keeps the first keep[b] entries of the block just scored."""
     entries = torch.arange(width).expand(len(keep), -1)
@@ -122,7 +126,7 @@ def test_blocks_and_rollbacks_match_full_recomputation(variant):
     for width, keep in schedule:
         pending = torch.stack([row[-1] for row in kept])
         block = torch.cat([pending.unsqueeze(1), random_tokens(dictionary, 3, width - 1)], 1)
-        scores = verifier.score_block(state, block)
+        scores = block_logprobs(verifier, state, block)
         for b in range(3):
             sequence = torch.cat([kept[b][:-1], block[b]]).unsqueeze(0)
             row_input = {k: v[b : b + 1] for k, v in net_input.items()}
@@ -144,12 +148,12 @@ def test_dropping_rows_keeps_the_others_exact():
     net_input = source_batch(dictionary, 3)
     state = verifier.start(net_input)
     block = torch.cat([torch.full((3, 1), dictionary.eos()), random_tokens(dictionary, 3, 3)], 1)
-    verifier.score_block(state, block)
+    block_logprobs(verifier, state, block)
     commit_prefix(verifier, state, 4, [3, 1, 2])
     rows = torch.tensor([0, 2])
     verifier.select_rows(state, rows)
     next_block = random_tokens(dictionary, 2, 2)
-    scores = verifier.score_block(state, next_block)
+    scores = block_logprobs(verifier, state, next_block)
     for i, b in enumerate(rows.tolist()):
         keep = [3, 1, 2][b]
         sequence = torch.cat([block[b, :keep], next_block[i]]).unsqueeze(0)
@@ -158,27 +162,54 @@ def test_dropping_rows_keeps_the_others_exact():
         torch.testing.assert_close(scores[i], reference, atol=2e-5, rtol=1e-5)
 
 
+def stock_incremental_keys(model, row_input, sequence):
+    """Reference cache: every layer's self-attention keys and values [heads, len, head_dim] after
+    fairseq's own incremental decoder has fed ``sequence`` one token at a time."""
+    encoder_out = model.encoder.forward_torchscript(row_input)
+    state = {}
+    for step in range(1, len(sequence) + 1):
+        model.decoder(sequence[:step].unsqueeze(0), encoder_out=encoder_out, incremental_state=state)
+    buffers = [layer.self_attn._get_input_buffer(state) for layer in model.decoder.layers]
+    return [(b["prev_key"][0], b["prev_value"][0]) for b in buffers]
+
+
+@pytest.mark.parametrize("variant", ["post-norm (default)", "pre-norm"])
 @torch.no_grad()
-def test_rollback_never_touches_encoder_attention_state():
-    model, dictionary = tiny_transformer()
+def test_cache_holds_exactly_the_committed_prefix_after_random_accepts_and_rejections(variant):
+    """Random blocks, random per-row acceptance, one row leaving: each row's committed cache
+    slots equal the keys/values fairseq's incremental decoder computes for that row's committed
+    inputs, and the encoder attention's keys/values never change."""
+    model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
     verifier = TransformerVerifier(model)
-    state = verifier.start(source_batch(dictionary, 2))
-    block = torch.cat([torch.full((2, 1), dictionary.eos()), random_tokens(dictionary, 2, 4)], 1)
-    verifier.score_block(state, block)
-
-    def encoder_attention_keys():
-        return [
-            layer.encoder_attn._get_input_buffer(state.incremental_state)["prev_key"].clone()
-            for layer in model.decoder.layers
-        ]
-
-    before = encoder_attention_keys()
-    commit_prefix(verifier, state, 5, [1, 3])
-    for old, new in zip(before, encoder_attention_keys()):
-        assert torch.equal(old, new)
-    self_keys = model.decoder.layers[0].self_attn._get_input_buffer(state.incremental_state)
-    assert self_keys["prev_key"].size(2) == 3  # longest row kept 3 entries
-    assert state.fed_lengths.tolist() == [1, 3]  # row 0's slots 1 and 2 are holes
+    net_input = source_batch(dictionary, 3)
+    state = verifier.start(net_input)
+    encoder_keys = [k.clone() for k in state.encoder_keys]
+    generator = torch.Generator().manual_seed(7)
+    rows = [0, 1, 2]  # original row of each state row
+    fed = [torch.tensor([dictionary.eos()]) for _ in range(3)]  # committed inputs + pending token
+    for iteration in range(8):
+        width = int(torch.randint(1, 6, (1,), generator=generator))
+        drafts = random_tokens(dictionary, len(rows), width - 1)
+        block = torch.cat([torch.stack([fed[r][-1] for r in rows]).unsqueeze(1), drafts], 1)
+        block_logprobs(verifier, state, block)
+        keep = torch.randint(1, width + 1, (len(rows),), generator=generator).tolist()
+        commit_prefix(verifier, state, width, keep)
+        for i, r in enumerate(rows):
+            fed[r] = torch.cat([fed[r][:-1], block[i, : keep[i]], random_tokens(dictionary, 1)])
+        if iteration == 3:  # the middle row finishes
+            rows = [0, 2]
+            verifier.select_rows(state, torch.tensor([0, 2]))
+            encoder_keys = [k[[0, 2]] for k in encoder_keys]
+        for i, r in enumerate(rows):
+            committed = fed[r][:-1]
+            assert int(state.fed_lengths[i]) == len(committed)
+            row_input = {k: v[r : r + 1] for k, v in net_input.items()}
+            reference = stock_incremental_keys(model, row_input, committed)
+            for layer, (keys, values) in enumerate(reference):
+                torch.testing.assert_close(state.keys[layer][i, :, : len(committed)], keys)
+                torch.testing.assert_close(state.values[layer][i, :, : len(committed)], values)
+    for before, after in zip(encoder_keys, state.encoder_keys):
+        assert torch.equal(before, after)
 
 
 # root → nodes 0, 1; node 0 → 2, 3; node 1 → 4; node 2 → 5 (entries: root, then node i at i+1)
@@ -199,7 +230,7 @@ def prefixed_state(verifier, dictionary, net_input, keep):
     state = verifier.start(net_input)
     batch = len(keep)
     first = torch.cat([torch.full((batch, 1), dictionary.eos()), random_tokens(dictionary, batch, 3)], 1)
-    verifier.score_block(state, first)
+    block_logprobs(verifier, state, first)
     commit_prefix(verifier, state, 4, keep)
     return state, [first[b, : keep[b]] for b in range(batch)]
 
@@ -215,7 +246,7 @@ def test_tree_scores_equal_each_path_decoded_alone(learned_positions):
     parents[1] = torch.tensor([-1, -1, 1, 0, 0, 3])  # another shape in the other row
     block = random_tokens(dictionary, 2, 7)  # root (pending token) + 6 nodes
     depths = torch.tensor([0] + TREE_DEPTHS)
-    scores = verifier.score_block(state, block, depths, block_visibility(parents))
+    scores = block_logprobs(verifier, state, block, depths, block_visibility(parents))
     for b in range(2):
         row_input = {k: v[b : b + 1] for k, v in net_input.items()}
         for node in range(-1, 6):
@@ -239,7 +270,7 @@ def test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation():
     levels = [(0, 1), (1, 3), (3, 6), (6, 7)]  # entry ranges: root, depth 1, 2, 3
     for start, end in levels:
         depth = torch.tensor([0] + TREE_DEPTHS)[start:end]
-        scores = verifier.score_block(state, tokens[:, start:end], depth, visible[:, start:end, :end])
+        scores = block_logprobs(verifier, state, tokens[:, start:end], depth, visible[:, start:end, :end])
         for b in range(2):
             row_input = {k: v[b : b + 1] for k, v in net_input.items()}
             for entry in range(start, end):
@@ -251,7 +282,7 @@ def test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation():
     keep = torch.tensor([[0, 1, 3, 6], [0, 2, 0, 0]])
     verifier.commit(state, keep, torch.tensor([4, 2]))
     following = random_tokens(dictionary, 2, 2)
-    scores = verifier.score_block(state, following)
+    scores = block_logprobs(verifier, state, following)
     for b in range(2):
         row_input = {k: v[b : b + 1] for k, v in net_input.items()}
         kept = tokens[b, keep[b, : [4, 2][b]]]

@@ -216,9 +216,9 @@ class ArDrafter:
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
         def expand(level_tokens: Tensor, visible: Tensor, level_depth: int) -> Tensor:
             depths = torch.full((level_tokens.size(1),), level_depth, device=level_tokens.device)
-            logprobs = self.scorer.score_block(state, level_tokens, depths, visible).float()
-            logprobs[:, :, self.pad] = float("-inf")
-            return logprobs.log_softmax(dim=-1)
+            logits = self.scorer.score_logits(state, level_tokens, depths, visible)
+            logits[:, :, self.pad] = float("-inf")
+            return logits.log_softmax(dim=-1)
 
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
         return grow_tree(plan, pending, expand, self.eos, generator)

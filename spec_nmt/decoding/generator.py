@@ -155,9 +155,12 @@ class SpeculativeGenerator:
         lengths[~has_source] = 1
         for row in (~has_source).nonzero().squeeze(1).tolist():
             finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
-        rows = has_source.nonzero().squeeze(1)  # original batch index of each active row
+        rows = has_source.nonzero().squeeze(1)  # original batch index of each state row
         if rows.numel() < bsz:
             drafter_state = self._select(verifier_state, drafter_state, rows)
+        # Finished rows stay in the states (their results are ignored) until a quarter of them
+        # has finished: copying every cache out for each finished sentence costs more.
+        live = torch.ones_like(rows, dtype=torch.bool)
 
         while rows.numel() > 0:
             row_tokens, row_lengths = tokens[rows], lengths[rows]
@@ -171,38 +174,45 @@ class SpeculativeGenerator:
             depths = block_depths(tree)
             visible = None if plan.is_chain else block_visibility(tree.parents)
             block = torch.cat([pending, tree.tokens], dim=1)
-            logprobs = self.verifier.score_block(verifier_state, block, depths, visible)
-            logprobs = self._search_constraints(logprobs, row_lengths, depths, max_lens[rows])
+            logits = self.verifier.score_logits(verifier_state, block, depths, visible)
+            normalizer = self._constrain(logits, row_lengths, depths, max_lens[rows])
             # 3. accept a path, then the correction/bonus token
-            path, n_accepted, next_tokens = self._accept(tree, logprobs, rng)
+            path, n_accepted, next_tokens = self._accept(tree, logits, rng)
+            n_accepted *= live
             path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
             if trace is not None:
-                trace.extend(self._trace_records(rows, row_tokens, row_lengths, tree, logprobs,
-                                                 path, n_accepted, next_tokens))  # fmt: skip
+                trace.extend(self._trace_records(rows, live, row_tokens, row_lengths, tree, logits,
+                                                 normalizer, path, n_accepted, next_tokens))  # fmt: skip
             emitted, n_emitted, ended = _emitted_tokens(path_tokens, n_accepted, next_tokens, self.eos)
-            # 4. commit: append, keep [pending, accepted path] in both caches, drop finished rows
+            n_emitted *= live
+            # 4. commit: append, keep [pending, accepted path] in both caches
             kept_entries = torch.cat([torch.zeros_like(pending), path.clamp(min=0) + 1], dim=1)
             slots = row_lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=rows.device)
             tokens[rows] = row_tokens.scatter(1, slots, emitted)
-            index = kept_entries.unsqueeze(2).expand(-1, -1, logprobs.size(2))
-            emitted_scores = logprobs.gather(1, index).gather(2, emitted.unsqueeze(2)).squeeze(2)
+            state_rows = torch.arange(rows.numel(), device=rows.device).unsqueeze(1)
+            emitted_scores = logits[state_rows, kept_entries, emitted] - normalizer.gather(1, kept_entries)
             token_scores[rows] = token_scores[rows].scatter(1, slots - 1, emitted_scores)
             lengths[rows] += n_emitted
-            iterations[rows] += 1
+            iterations[rows] += live
             accepted[rows] += n_accepted
-            self.verifier.commit(verifier_state, kept_entries, n_accepted + 1)
-            self.drafter.commit(drafter_state, kept_entries, n_accepted + 1)
+            n_kept = (n_accepted + 1) * live
+            self.verifier.commit(verifier_state, kept_entries, n_kept)
+            self.drafter.commit(drafter_state, kept_entries, n_kept)
             self.stats.batched_verifier_calls += 1
-            self.stats.drafted_tokens += int(tree.valid.sum())
+            self.stats.drafted_tokens += int(tree.valid[live].sum())
+            ended &= live
             for row in rows[ended].tolist():
                 hypothesis = self._hypothesis(tokens[row], token_scores[row], lengths[row])
                 hypothesis["spec_iterations"] = int(iterations[row])
                 hypothesis["spec_accepted_tokens"] = int(accepted[row])
                 finalized[row].append(hypothesis)
-            if ended.any():
-                keep = (~ended).nonzero().squeeze(1)
-                rows = rows[keep]
-                drafter_state = self._select(verifier_state, drafter_state, keep)
+            live &= ~ended
+            finished = int(live.numel() - live.sum())
+            if finished and (finished == live.numel() or 4 * finished >= live.numel()):
+                keep = live.nonzero().squeeze(1)
+                rows, live = rows[keep], live[keep]
+                if rows.numel():
+                    drafter_state = self._select(verifier_state, drafter_state, keep)
 
         self.stats.sentences += bsz
         self.stats.iterations += int(iterations.sum())
@@ -210,34 +220,36 @@ class SpeculativeGenerator:
         self.stats.output_tokens += int(lengths.sum())
         return finalized
 
-    def _accept(self, tree: DraftTree, logprobs: Tensor, rng: torch.Generator):
+    def _accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator):
         """(path [B, depth] of accepted node indices padded with -1, n_accepted [B],
-        next token [B]) under the configured rule."""
+        next token [B]) under the configured rule, from the block's constrained logits."""
         if self.verify == "rsd":
-            probs = sampling_probs(logprobs, self.sampling_topk, self.sampling_topp)
+            probs = sampling_probs(logits, self.sampling_topk, self.sampling_topp)
             return recursive_rejection(tree, probs, self.eos, rng)
         if self.verify == "sampling":
-            probs = sampling_probs(logprobs, self.sampling_topk, self.sampling_topp)
+            probs = sampling_probs(logits, self.sampling_topk, self.sampling_topp)
             k = tree.tokens.size(1)
             n_accepted, next_tokens = speculative_sample(
                 tree.tokens, tree.draft_probs[:, :k], probs, self.eos, rng
             )
         else:
-            n_accepted, next_tokens = accept_top_beta(
-                tree.tokens, logprobs, self.beta, self.tau, self.eos
-            )
-        chain = torch.arange(tree.tokens.size(1), device=logprobs.device).expand_as(tree.tokens)
+            n_accepted, next_tokens = accept_top_beta(tree.tokens, logits, self.beta, self.tau, self.eos)
+        chain = torch.arange(tree.tokens.size(1), device=logits.device).expand_as(tree.tokens)
         path = torch.where(chain < n_accepted.unsqueeze(1), chain, torch.full_like(chain, -1))
         return path, n_accepted, next_tokens
 
-    def _trace_records(self, rows, tokens, lengths, tree, logprobs, path, n_accepted, next_tokens):
-        """What one iteration did for each row, as plain Python data: the verified prefix, the
-        draft tree, the verifier's best candidates at every block entry (its beta best, at
-        least 3) with log-probs, the accepted path and the correction/bonus token."""
-        n_best = min(max(self.beta, 3), logprobs.size(2))
-        best_logprobs, best_tokens = logprobs.topk(n_best, dim=2)
+    def _trace_records(self, rows, live, tokens, lengths, tree, logits, normalizer, path,
+                       n_accepted, next_tokens):  # fmt: skip
+        """What one iteration did for each unfinished row, as plain Python data: the verified
+        prefix, the draft tree, the verifier's best candidates at every block entry (its beta
+        best, at least 3) with log-probs, the accepted path and the correction/bonus token."""
+        n_best = min(max(self.beta, 3), logits.size(2))
+        best_logits, best_tokens = logits.topk(n_best, dim=2)
+        best_logprobs = best_logits - normalizer.unsqueeze(2)
         records = []
         for i, row in enumerate(rows.tolist()):
+            if not live[i]:
+                continue
             n = int(n_accepted[i])
             accepted = path[i, :n].tolist()
             records.append({
@@ -272,21 +284,29 @@ class SpeculativeGenerator:
         ]
         return torch.tensor(limits, device=src_lengths.device)
 
-    def _search_constraints(
-        self, logprobs: Tensor, lengths: Tensor, depths: Tensor, max_lens: Tensor
-    ) -> Tensor:
-        """The adjustments SequenceGenerator makes to every step's log-probs, for every block
-        entry at once (the token predicted at an entry of depth d is output step lengths + d)."""
-        logprobs = logprobs.masked_fill(logprobs != logprobs, float("-inf"))
-        logprobs[:, :, self.pad] = float("-inf")
-        logprobs[:, :, self.unk] -= self.unk_penalty
+    def _constrain(self, logits: Tensor, lengths: Tensor, depths: Tensor, max_lens: Tensor) -> Tensor:
+        """Make in ``logits`` [B, W, V] the adjustments SequenceGenerator makes to every step's
+        log-probs, for every block entry at once (the token predicted at an entry of depth d is
+        output step lengths + d), touching only the columns and entries concerned. Returns the
+        log-normaliser [B, W] of the unadjusted distribution: ``logits - normaliser`` are
+        fairseq's adjusted log-probs, and the rules only compare tokens of one entry, which a
+        per-entry shift does not change."""
+        normalizer = torch.logsumexp(logits, dim=-1)
+        broken = normalizer.isnan()
+        if broken.any():  # a NaN logit makes fairseq's log-probs NaN, then -inf, at that step
+            logits[broken] = float("-inf")
+            normalizer = normalizer.masked_fill(broken, 0.0)
+        logits[:, :, self.pad] = float("-inf")
+        if self.unk_penalty:
+            logits[:, :, self.unk] -= self.unk_penalty
         steps = lengths.unsqueeze(1) + depths
-        not_eos = torch.ones(logprobs.size(2), dtype=torch.bool, device=logprobs.device)
-        not_eos[self.eos] = False
-        force_eos = steps.ge(max_lens.unsqueeze(1)).unsqueeze(2) & not_eos
-        logprobs = logprobs.masked_fill(force_eos, float("-inf"))
-        ban_eos = steps.lt(self.min_len).unsqueeze(2) & ~not_eos
-        return logprobs.masked_fill(ban_eos, float("-inf"))
+        force_eos = steps.ge(max_lens.unsqueeze(1))
+        if force_eos.any():
+            eos_logits = logits[:, :, self.eos].clone()
+            logits.masked_fill_(force_eos.unsqueeze(2), float("-inf"))
+            logits[:, :, self.eos] = eos_logits
+        logits[:, :, self.eos].masked_fill_(steps.lt(self.min_len), float("-inf"))
+        return normalizer
 
     def _hypothesis(self, row_tokens: Tensor, row_scores: Tensor, length) -> Dict:
         length = int(length)

@@ -1,42 +1,58 @@
 """The verifier adapter: a stock fairseq Transformer translation model that scores a block of new
-decoder inputs in ONE forward pass on top of its incremental (KV) state. The same adapter runs an
+decoder inputs in ONE forward pass on top of its key/value cache. The same adapter runs an
 autoregressive drafter (a small stock Transformer), whose drafts are blocks and trees too.
 
 fairseq's own incremental decoder reads only the last input token and its attention takes one
 mask for the whole batch, so block scoring has its own short forward through the stock decoder
 layers' modules: token and position embeddings for the block, then per layer a self-attention
-over the cache with a per-row mask (``_cached_self_attention``), the stock encoder attention and
-feed-forward. A block may be a chain (causal inside the block) or a draft tree (each entry sees
-the cached prefix and its ancestors only; positions by depth).
+over the cache with a per-row mask, an encoder attention over keys/values projected once per
+batch, and the stock feed-forward. A block may be a chain (causal inside the block) or a draft
+tree (each entry sees the cached prefix and its ancestors only; positions by depth).
 
-Rollback representation (one, used everywhere): per-row valid length. In every decoder layer's
-self-attention cache, row b holds the keys/values of its first ``fed_lengths[b]`` committed
-decoder inputs in slots ``[0, fed_lengths[b])``; slots after that, up to ``committed_width``, are
-holes that no query sees. Entries of blocks scored since the last commit sit after
-``committed_width`` and are seen only where the block's visibility says so. ``commit`` gathers the
-kept block entries of each row right behind its valid slots, so holes never accumulate and a
-rejected entry is never seen again. Encoder-attention entries (``static_kv``) are never touched.
+The cache is preallocated per layer ([rows, heads, capacity, head_dim], grown by doubling when a
+block would not fit) and written in place at per-row positions. Row b holds its committed decoder
+inputs in slots ``[0, fed_lengths[b])``; the entries scored since the last commit follow them, so
+a block is written at ``fed_lengths[b] + uncommitted`` and no query ever sees a slot past what its
+row wrote. Committing a chain's accepted prefix only advances ``fed_lengths``: the rejected
+entries stay where they are and the next block overwrites them. Only a tree's kept path, whose
+entries are not contiguous, is moved into place (a few slots per row).
 """
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor
 
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.spec_drafter import SpecDrafterModel
 
+# initial cache slots per row; zero-filled so that unwritten slots hold no NaN for masked
+# attention weights to multiply
+INITIAL_CACHE_SLOTS = 64
+
 
 class VerifierState:
-    """Per-batch decoding state: encoder output, KV cache, committed and uncommitted entries."""
+    """Per-batch decoding state: encoder output and its attention keys/values, the self-attention
+    cache and each row's committed length."""
 
-    def __init__(self, encoder_out: Dict, fed_lengths: Tensor):
+    def __init__(self, encoder_out: Dict, encoder_keys: List[Tensor],
+                 encoder_values: List[Tensor], encoder_bias: Optional[Tensor]):  # fmt: skip
         self.encoder_out = encoder_out
-        self.incremental_state: Dict[str, Dict[str, Optional[Tensor]]] = {}
-        self.fed_lengths = fed_lengths  # [B] committed decoder inputs per row
-        self.committed_width = 0  # cache slots holding committed entries (and holes)
-        self.uncommitted = 0  # block entries scored since the last commit
+        self.encoder_keys = encoder_keys  # per layer [B, heads, source length, head_dim]
+        self.encoder_values = encoder_values
+        self.encoder_bias = encoder_bias  # [B, 1, 1, source length]: -inf at source padding
+        batch = encoder_out["encoder_out"][0].size(1)
+        device = encoder_out["encoder_out"][0].device
+        self.fed_lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.uncommitted = 0  # block entries scored since the last commit (every row alike)
+        self.keys: List[Tensor] = []  # per layer [B, heads, capacity, head_dim]
+        self.values: List[Tensor] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].size(2) if self.keys else 0
 
 
 class TransformerVerifier:
@@ -59,10 +75,10 @@ class TransformerVerifier:
                 "--drafter-path (drafter.pt)"
             )
         unsupported = decoder.cross_self_attention or decoder.adaptive_softmax is not None
-        for layer in decoder.layers:
-            attn = layer.self_attn
-            unsupported |= attn.bias_k is not None or attn.add_zero_attn
-            unsupported |= getattr(attn, "rotary_pos_embed", None) is not None
+        for attn in [m for layer in decoder.layers for m in (layer.self_attn, layer.encoder_attn)]:
+            if attn is not None:
+                unsupported |= attn.bias_k is not None or attn.add_zero_attn
+                unsupported |= getattr(attn, "rotary_pos_embed", None) is not None
         if unsupported:
             raise SpecNmtError(
                 f"{role} uses --cross-self-attention, an adaptive softmax or extra attention "
@@ -77,35 +93,47 @@ class TransformerVerifier:
         return self.decoder.max_positions()
 
     def start(self, net_input: Dict[str, Tensor]) -> VerifierState:
-        """Run the encoder once for the batch; nothing is cached for the decoder yet."""
+        """Run the encoder once for the batch and project its output for every layer's encoder
+        attention; nothing is cached for the decoder yet."""
         encoder_out = self.model.encoder.forward_torchscript(net_input)
-        batch = net_input["src_tokens"].size(0)
-        fed = torch.zeros(batch, dtype=torch.long, device=net_input["src_tokens"].device)
-        return VerifierState(encoder_out, fed)
+        enc = encoder_out["encoder_out"][0]  # [S, B, C]
+        keys, values = [], []
+        for layer in self.decoder.layers:
+            attn = layer.encoder_attn
+            if attn is not None:
+                keys.append(_split_heads(attn.k_proj(enc), attn.num_heads).contiguous())
+                values.append(_split_heads(attn.v_proj(enc), attn.num_heads).contiguous())
+        padding = encoder_out["encoder_padding_mask"]
+        bias = None
+        if len(padding) > 0 and padding[0].any():
+            bias = torch.zeros(padding[0].shape, dtype=enc.dtype, device=enc.device)
+            bias = bias.masked_fill(padding[0], float("-inf"))[:, None, None, :]
+        return VerifierState(encoder_out, keys, values, bias)
 
-    def score_block(
+    def score_logits(
         self,
         state: VerifierState,
         block_tokens: Tensor,  # [B, W]
         depths: Optional[Tensor] = None,  # [W] or [B, W]; default 0 .. W-1
         visible: Optional[Tensor] = None,  # [B, W, U+W] bool over uncommitted entries
     ) -> Tensor:
-        """Log-probs [B, W, V] of the next token after each of the W block inputs.
+        """Float logits [B, W, V] (temperature applied) of the next token after each of the W
+        block inputs: a fresh tensor the caller may change in place.
 
         Block entry i of row b sits at decoder position ``fed_lengths[b] + depths[i]`` and sees
         the row's committed prefix plus the uncommitted entries (U from earlier blocks since the
         last commit, then this block's) that ``visible`` marks; by default a causal chain.
-        The block's keys/values are appended to the cache; ``commit`` decides which stay.
+        The block's keys/values join the cache; ``commit`` decides which stay.
         """
         dec = self.decoder
         batch, width = block_tokens.shape
         device = block_tokens.device
         if depths is None:
             depths = torch.arange(width, device=device)
+        entries = state.uncommitted + width  # uncommitted entries once this block is written
         if visible is None:
-            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            earlier = torch.ones(width, state.uncommitted, dtype=torch.bool, device=device)
-            visible = torch.cat([earlier, causal], dim=1).expand(batch, -1, -1)
+            visible = torch.ones(width, entries, dtype=torch.bool, device=device).tril(state.uncommitted)
+            visible = visible.expand(batch, -1, -1)
 
         x = dec.embed_scale * dec.embed_tokens(block_tokens)
         if dec.quant_noise is not None:
@@ -118,61 +146,94 @@ class TransformerVerifier:
             x = dec.layernorm_embedding(x)
         x = dec.dropout_module(x).transpose(0, 1)
 
-        slots = torch.arange(state.committed_width, device=device)
-        committed = (slots < state.fed_lengths.unsqueeze(1)).unsqueeze(1).expand(-1, width, -1)
-        seen = torch.cat([committed, visible], dim=2)  # [B, W, all cache slots]
+        # where the block goes, and which cache slots each block entry sees
+        first_slot = state.fed_lengths + state.uncommitted  # [B]
+        span = int(first_slot.max()) + width
+        self._reserve(state, span, x)
+        uniform = batch == 1 or bool((first_slot == first_slot[0]).all())
+        slots = first_slot.unsqueeze(1) + torch.arange(width, device=device)  # [B, W]
+        relative = torch.arange(span, device=device) - state.fed_lengths.unsqueeze(1)  # [B, span]
+        in_block = (relative >= 0) & (relative < entries)
+        block_seen = visible.gather(2, relative.clamp(0, entries - 1).unsqueeze(1).expand(-1, width, -1))
+        seen = torch.where(in_block.unsqueeze(1), block_seen, (relative < 0).unsqueeze(1))
         bias = torch.zeros(seen.shape, dtype=x.dtype, device=device)
-        bias = bias.masked_fill(~seen, float("-inf")).unsqueeze(1)  # [B, 1, W, slots]
-        enc = state.encoder_out["encoder_out"][0]
-        enc_padding = state.encoder_out["encoder_padding_mask"]
-        enc_padding = enc_padding[0] if len(enc_padding) > 0 else None
-        for layer in dec.layers:
-            x = _decoder_layer(layer, x, enc, enc_padding, state.incremental_state, bias)
+        bias = bias.masked_fill(~seen, float("-inf")).unsqueeze(1)  # [B, 1, W, span]
+
+        def write(cache: Tensor, new: Tensor) -> None:  # new [B, heads, W, head_dim]
+            if uniform:
+                start = int(first_slot[0])
+                cache[:, :, start : start + width] = new
+            else:
+                index = slots[:, None, :, None].expand(-1, new.size(1), -1, new.size(3))
+                cache.scatter_(2, index, new)
+
+        encoder_layer = 0
+        for i, layer in enumerate(dec.layers):
+            encoder_kv = None
+            if layer.encoder_attn is not None and state.encoder_keys:
+                encoder_kv = (state.encoder_keys[encoder_layer], state.encoder_values[encoder_layer])
+                encoder_layer += 1
+            x = _decoder_layer(layer, x, (state.keys[i], state.values[i], write, span, bias),
+                               encoder_kv, state.encoder_bias)  # fmt: skip
         if dec.layer_norm is not None:
             x = dec.layer_norm(x)
         x = x.transpose(0, 1)
         if dec.project_out_dim is not None:
             x = dec.project_out_dim(x)
-        logits = dec.output_layer(x)
+        logits = dec.output_layer(x).float()
         if self.temperature != 1.0:
-            logits = logits / self.temperature
-        state.uncommitted += width
-        return dec.get_normalized_probs((logits, None), log_probs=True)
+            logits.div_(self.temperature)
+        state.uncommitted = entries
+        return logits
 
     def commit(self, state: VerifierState, keep: Tensor, n_keep: Tensor) -> None:
         """Row b keeps its uncommitted entries ``keep[b, :n_keep[b]]`` (indices in scoring
-        order, e.g. the root and the accepted path of a draft tree); all others are dropped."""
-        old_fed = state.fed_lengths
-        new_fed = old_fed + n_keep
-        width = int(new_fed.max())
-        slots = torch.arange(width, device=n_keep.device).unsqueeze(0)
-        valid = slots < new_fed.unsqueeze(1)  # [B, width]
-        offset = (slots - old_fed.unsqueeze(1)).clamp(min=0, max=max(keep.size(1) - 1, 0))
-        kept_slot = state.committed_width + keep.gather(1, offset) if keep.numel() else offset
-        # Row b's slot j < old_fed[b] is where it was; later slots come from the kept entries.
-        source = torch.where(slots < old_fed.unsqueeze(1), slots, kept_slot)
-        source = torch.where(valid, source, torch.zeros_like(source))
-        crop = bool(source.eq(slots).all())  # batch of one, or every row kept the same prefix
-        for layer in self.decoder.layers:
-            attn = layer.self_attn
-            buffer = attn._get_input_buffer(state.incremental_state)
-            for name in ("prev_key", "prev_value"):
-                cached = buffer[name]  # [B, heads, slots, head_dim]
-                if crop:
-                    buffer[name] = cached[:, :, :width]
-                else:
-                    index = source[:, None, :, None].expand(-1, cached.size(1), -1, cached.size(3))
-                    buffer[name] = cached.gather(2, index)
-            attn._set_input_buffer(state.incremental_state, buffer)
-        state.fed_lengths = new_fed
-        state.committed_width = width
+        order, e.g. the root and the accepted path of a draft tree); all others are dropped.
+        Kept entries already in place (a chain's accepted prefix) are not touched."""
+        width = keep.size(1)
+        order = torch.arange(width, device=keep.device)
+        counted = order < n_keep.unsqueeze(1)
+        if width and not bool((keep.eq(order) | ~counted).all()):
+            # move the kept entries behind the committed prefix; rows that keep fewer entries
+            # rewrite their last kept one
+            last = (n_keep - 1).clamp(min=0).unsqueeze(1)
+            position = torch.where(counted, order, last)
+            source = state.fed_lengths.unsqueeze(1) + keep.gather(1, position)
+            target = state.fed_lengths.unsqueeze(1) + position
+            for cache in state.keys + state.values:
+                heads, head_dim = cache.size(1), cache.size(3)
+                src = source[:, None, :, None].expand(-1, heads, -1, head_dim)
+                dst = target[:, None, :, None].expand(-1, heads, -1, head_dim)
+                cache.scatter_(2, dst, cache.gather(2, src))
+        state.fed_lengths = state.fed_lengths + n_keep
         state.uncommitted = 0
 
     def select_rows(self, state: VerifierState, rows: Tensor) -> None:
-        """Keep only ``rows`` of the batch (finished sentences leave), in cache and encoder output."""
-        self.decoder.reorder_incremental_state_scripting(state.incremental_state, rows)
+        """Keep only ``rows`` of the batch (finished sentences leave), in place."""
         state.encoder_out = self.model.encoder.reorder_encoder_out(state.encoder_out, rows)
+        for caches in (state.keys, state.values, state.encoder_keys, state.encoder_values):
+            caches[:] = [cache.index_select(0, rows) for cache in caches]
+        if state.encoder_bias is not None:
+            state.encoder_bias = state.encoder_bias.index_select(0, rows)
         state.fed_lengths = state.fed_lengths.index_select(0, rows)
+
+    def _reserve(self, state: VerifierState, slots: int, like: Tensor) -> None:
+        """Make every layer's cache hold at least ``slots`` slots per row (doubling)."""
+        if slots <= state.capacity:
+            return
+        capacity = max(slots, 2 * state.capacity, INITIAL_CACHE_SLOTS)
+        batch = state.fed_lengths.size(0)
+        grown = []
+        for layer in self.decoder.layers:
+            attn = layer.self_attn
+            shape = (batch, attn.num_heads, capacity, attn.head_dim)
+            grown.append([torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in "kv"])
+        for i, (keys, values) in enumerate(grown):
+            if state.keys:
+                keys[:, :, : state.capacity] = state.keys[i]
+                values[:, :, : state.capacity] = state.values[i]
+        state.keys = [keys for keys, _ in grown]
+        state.values = [values for _, values in grown]
 
     def _position_embeddings(self, positions: Tensor) -> Tensor:
         """Position embeddings [B, W, C] for 0-based decoder positions [B, W].
@@ -191,13 +252,25 @@ class TransformerVerifier:
         return self._position_table[positions.clamp(max=self._position_table.size(0) - 1)]
 
 
-def _decoder_layer(layer, x: Tensor, enc, enc_padding, incremental_state, bias: Tensor) -> Tensor:
-    """A stock ``TransformerDecoderLayerBase`` step for a block [W, B, C] whose self-attention
-    takes a per-row additive mask ``bias`` [B, 1, W, slots]; everything else is the layer's own."""
+def _split_heads(x: Tensor, heads: int) -> Tensor:
+    """[T, B, C] → [B, heads, T, head_dim]."""
+    length, batch, channels = x.shape
+    return x.view(length, batch, heads, channels // heads).permute(1, 2, 0, 3)
+
+
+def _merge_heads(x: Tensor) -> Tensor:
+    """[B, heads, T, head_dim] → [T, B, C]."""
+    batch, heads, length, head_dim = x.shape
+    return x.permute(2, 0, 1, 3).reshape(length, batch, heads * head_dim)
+
+
+def _decoder_layer(layer, x: Tensor, self_cache, encoder_kv, encoder_bias) -> Tensor:
+    """A stock ``TransformerDecoderLayerBase`` step for a block [W, B, C] on the preallocated
+    caches; everything but the attention arithmetic is the layer's own modules."""
     residual = x
     if layer.normalize_before:
         x = layer.self_attn_layer_norm(x)
-    x = _cached_self_attention(layer.self_attn, x, incremental_state, bias)
+    x = _cached_self_attention(layer.self_attn, x, *self_cache)
     if layer.c_attn is not None:
         heads = layer.c_attn.numel()
         x = (x.view(*x.shape[:2], heads, -1) * layer.c_attn.view(heads, 1)).flatten(2)
@@ -207,14 +280,15 @@ def _decoder_layer(layer, x: Tensor, enc, enc_padding, incremental_state, bias: 
     if not layer.normalize_before:
         x = layer.self_attn_layer_norm(x)
 
-    if layer.encoder_attn is not None and enc is not None:
+    if encoder_kv is not None:
         residual = x
         if layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
-        x, _ = layer.encoder_attn(
-            query=x, key=enc, value=enc, key_padding_mask=enc_padding,
-            incremental_state=incremental_state, static_kv=True, need_weights=False,
-        )  # fmt: skip
+        attn = layer.encoder_attn
+        query = _split_heads(attn.q_proj(x), attn.num_heads)
+        out = F.scaled_dot_product_attention(query, *encoder_kv, attn_mask=encoder_bias,
+                                             scale=attn.scaling)  # fmt: skip
+        x = attn.out_proj(_merge_heads(out))
         x = layer.residual_connection(layer.dropout_module(x), residual)
         if not layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
@@ -234,27 +308,14 @@ def _decoder_layer(layer, x: Tensor, enc, enc_padding, incremental_state, bias: 
     return x
 
 
-def _cached_self_attention(attn, x: Tensor, incremental_state, bias: Tensor) -> Tensor:
-    """fairseq ``MultiheadAttention`` self-attention for block x [W, B, C] on its KV cache,
-    with a per-row mask (the stock module takes one mask for all rows). Appends the block's
-    keys/values to the cache, in the module's own buffer layout [B, heads, slots, head_dim]."""
-    width, batch, channels = x.shape
-    heads, head_dim = attn.num_heads, attn.head_dim
-
-    def split_heads(t: Tensor) -> Tensor:
-        return t.view(width, batch, heads, head_dim).permute(1, 2, 0, 3)
-
-    query = split_heads(attn.q_proj(x) * attn.scaling)
-    key, value = split_heads(attn.k_proj(x)), split_heads(attn.v_proj(x))
-    buffer = attn._get_input_buffer(incremental_state)
-    if buffer.get("prev_key") is not None:
-        key = torch.cat([buffer["prev_key"], key], dim=2)
-        value = torch.cat([buffer["prev_value"], value], dim=2)
-    buffer["prev_key"], buffer["prev_value"] = key, value
-    buffer["prev_key_padding_mask"] = None
-    attn._set_input_buffer(incremental_state, buffer)
-
-    weights = torch.matmul(query, key.transpose(2, 3)) + bias  # [B, heads, W, slots]
-    probs = torch.softmax(weights.float(), dim=-1).type_as(weights)
-    out = torch.matmul(attn.dropout_module(probs), value)  # [B, heads, W, head_dim]
-    return attn.out_proj(out.permute(2, 0, 1, 3).reshape(width, batch, channels))
+def _cached_self_attention(attn, x: Tensor, keys: Tensor, values: Tensor, write, span: int,
+                           bias: Tensor) -> Tensor:  # fmt: skip
+    """fairseq ``MultiheadAttention`` self-attention for block x [W, B, C]: the block's keys and
+    values are written into the cache (``write``), then every entry attends to the first
+    ``span`` slots under the per-row mask ``bias`` [B, 1, W, span]."""
+    query = _split_heads(attn.q_proj(x), attn.num_heads)
+    write(keys, _split_heads(attn.k_proj(x), attn.num_heads))
+    write(values, _split_heads(attn.v_proj(x), attn.num_heads))
+    out = F.scaled_dot_product_attention(query, keys[:, :, :span], values[:, :, :span],
+                                         attn_mask=bias, scale=attn.scaling)  # fmt: skip
+    return attn.out_proj(_merge_heads(out))

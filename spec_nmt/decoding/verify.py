@@ -25,7 +25,7 @@ def check_top_beta_params(beta: int, tau: float) -> None:
 
 def accept_top_beta(
     draft_tokens: Tensor,  # [B, k] long
-    verifier_logprobs: Tensor,  # [B, k+1, V] float
+    verifier_logprobs: Tensor,  # [B, k+1, V] float: log-probs, or logits
     beta: int,
     tau: float,
     eos: int,
@@ -37,6 +37,9 @@ def accept_top_beta(
     Nothing is accepted after an accepted EOS: the sentence ends there.
     With ``beta=1, tau=0`` a drafted token is accepted only when it is the verifier's own pick,
     so the output is exactly the verifier's greedy decoding.
+
+    The rule compares only tokens of the same position, so logits (log-probs shifted by each
+    position's normaliser) give the same decisions without normalising [B, k+1, V].
 
     Returns ``(n_accepted [B], next_tokens [B])``: ``next_tokens`` is the verifier's best token at
     position ``n_accepted`` (meaningless for rows whose accepted drafts end with EOS).
@@ -80,11 +83,11 @@ def check_sampling_params(temperature: float, topk: int, topp: float) -> None:
         raise SpecNmtError(f"--sampling-topp must be in (0, 1] (or -1 for all), got {topp}")
 
 
-def sampling_probs(logprobs: Tensor, topk: int = -1, topp: float = -1.0) -> Tensor:
-    """The distribution fairseq's ``--sampling`` draws from, normalised: [..., V] log-probs
-    (temperature already applied) → probs. As in fairseq's ``Sampling`` search, top-p wins over
-    top-k, and top-p keeps the smallest set of best tokens whose mass reaches p."""
-    probs = logprobs.float().exp()
+def sampling_probs(scores: Tensor, topk: int = -1, topp: float = -1.0) -> Tensor:
+    """The distribution fairseq's ``--sampling`` draws from, normalised: [..., V] log-probs or
+    logits (temperature already applied) → probs. As in fairseq's ``Sampling`` search, top-p wins
+    over top-k, and top-p keeps the smallest set of best tokens whose mass reaches p."""
+    probs = torch.softmax(scores.float(), dim=-1)
     if topp > 0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
