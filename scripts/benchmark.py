@@ -310,6 +310,7 @@ class PhaseTimer:
     each phase on one generator and its verifier and drafter."""
 
     PHASES = {
+        "encode": [("verifier", "start"), ("drafter", "start")],
         "draft": [("drafter", "propose")],
         "score": [("verifier", "score_logits")],
         "accept": [("generator", "_accept"), ("generator", "_constrain")],
@@ -449,7 +450,8 @@ def ceiling_table(result):
     columns = [
         ("batch_size", "batch"), ("system", "system"), ("ms_per_output_token", "ms/token"),
         ("speedup_vs_greedy", "× greedy"), ("tokens_per_verifier_call", "tokens/iteration"),
-        ("greedy_steps_per_iteration", "iteration (greedy steps)"), ("draft_greedy_steps", "draft"),
+        ("greedy_steps_per_iteration", "iteration (greedy steps)"), ("encode_greedy_steps", "encode"),
+        ("draft_greedy_steps", "draft"),
         ("score_greedy_steps", "score"), ("accept_greedy_steps", "accept"),
         ("commit_greedy_steps", "commit"), ("other_greedy_steps", "other"),
         ("identical_to_greedy", f"= greedy (of {result['lines']})"),
