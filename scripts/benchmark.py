@@ -285,7 +285,7 @@ class OracleDrafter:
     def max_positions(self) -> int:
         return self._max_positions
 
-    def start(self, net_input):
+    def start(self, net_input, verifier_encoder_out):
         sources = net_input["src_tokens"]
         outputs = [self.continuations[tuple(row[row.ne(self.pad)].tolist())] for row in sources]
         state = sources.new_full((len(outputs), max(map(len, outputs)) + 1), self.eos)

@@ -45,7 +45,7 @@ GENERATION_DEFAULTS = {
 
 
 class SpecTranslator:
-    """A verifier, a drafter (Spec-Drafter or autoregressive), their dictionaries and the
+    """A verifier, a drafter (Spec-Drafter, cached or autoregressive), their dictionaries and the
     sentencepiece model, loaded once; each call decodes with the settings it is given."""
 
     def __init__(self, task: SpecTranslationTask, verifier, drafter, spm_model, defaults: Dict):

@@ -1,6 +1,6 @@
 """Shared fixtures: a toy corpus, a verifier and an autoregressive drafter trained with stock
-fairseq and Spec-Drafters trained through the plugin, all made once per test session with the
-real command-line tools."""
+fairseq, Spec-Drafters and a cached drafter trained through the plugin, all made once per test
+session with the real command-line tools."""
 
 import re
 import subprocess
@@ -64,11 +64,12 @@ def preprocess(raw_dir, dest_dir):
     return dest_dir
 
 
-def train_drafter(data_bin, save_dir, max_update, *extra):
+def train_drafter(data_bin, save_dir, max_update, *extra, check=True):
     return fairseq(
         "train", data_bin, "--user-dir", USER_DIR, "--task", "spec_translation",
         "--block-size", BLOCK_SIZE, "--criterion", "spec_drafter_loss",
         *TINY_DRAFTER, *OPTIMIZATION, "--max-update", max_update, "--save-dir", save_dir, *extra,
+        check=check,
     )  # fmt: skip
 
 
@@ -95,11 +96,16 @@ def toy(tmp_path_factory):
         "--criterion", "label_smoothed_cross_entropy", "--save-dir", root / "ar_drafter",
     )  # fmt: skip
     train_drafter(data_bin, root / "untrained_drafter", 1)
+    verifier = root / "verifier" / "checkpoint_last.pt"
+    cached_log = train_drafter(data_bin, root / "cached_drafter", 300, "--arch", "cached_drafter",
+                               "--cuts-per-sentence", 3, "--init-from-verifier", verifier)  # fmt: skip
     return {
         "root": root,
         "raw": raw,
         "bin": data_bin,
-        "verifier": root / "verifier" / "checkpoint_last.pt",
+        "verifier": verifier,
+        "cached_drafter": root / "cached_drafter" / "checkpoint_last.pt",
+        "cached_drafter_log": cached_log.stdout + cached_log.stderr,
         "drafter": root / "drafter" / "checkpoint_last.pt",
         "drafter_dir": root / "drafter",
         "drafter_log": drafter_log.stdout + drafter_log.stderr,

@@ -55,7 +55,7 @@ def stock_greedy(toy):
 
 
 @pytest.mark.parametrize("batch_size", [1, 16])
-@pytest.mark.parametrize("drafter", ["drafter", "untrained_drafter", "ar_drafter"])
+@pytest.mark.parametrize("drafter", ["drafter", "untrained_drafter", "ar_drafter", "cached_drafter"])
 def test_generate_is_identical_to_stock_greedy(toy, stock_greedy, drafter, batch_size):
     output = generate(toy, batch_size, drafter)
     assert len(stock_greedy[batch_size]) == TEST_LINES
@@ -110,7 +110,7 @@ class OracleDrafter:
     def max_positions(self):
         return 1024
 
-    def start(self, net_input):
+    def start(self, net_input, verifier_encoder_out):
         return torch.arange(self.greedy.size(0))
 
     def propose(self, rows, tokens, lengths, plan, generator):

@@ -35,7 +35,7 @@ def test_drafter_batches_are_prefix_plus_masks_with_next_k_labels(cuts_per_sente
     sample = {"id": torch.tensor([0, 1]), "target": target, "net_input": {}}
     cuts_seen = [set(), set()]
     for seed in range(200):
-        out = task.drafter_sample(sample, torch.Generator().manual_seed(seed))
+        out = task.drafter_sample(sample, None, torch.Generator().manual_seed(seed))
         assert out["net_input"]["prev_output_tokens"].size(0) == 2 * m
         for row in range(2 * m):
             sentence, stratum = divmod(row, m)  # a sentence's cuts are consecutive rows

@@ -168,7 +168,8 @@ def stock_incremental_keys(model, row_input, sequence):
     encoder_out = model.encoder.forward_torchscript(row_input)
     state = {}
     for step in range(1, len(sequence) + 1):
-        model.decoder(sequence[:step].unsqueeze(0), encoder_out=encoder_out, incremental_state=state)
+        prefix = sequence[:step].unsqueeze(0)
+        model.decoder(prefix, encoder_out=encoder_out, incremental_state=state)
     buffers = [layer.self_attn._get_input_buffer(state) for layer in model.decoder.layers]
     return [(b["prev_key"][0], b["prev_value"][0]) for b in buffers]
 

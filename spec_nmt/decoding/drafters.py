@@ -153,7 +153,7 @@ class NarDrafter:
     def max_source_positions(self) -> int:
         return self.model.encoder.max_positions()
 
-    def start(self, net_input: Dict[str, Tensor]) -> Dict:
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> Dict:
         return self.model.encoder.forward_torchscript(net_input)
 
     def position_logprobs(self, encoder_out: Dict, tokens: Tensor, lengths: Tensor, k: int):
@@ -194,6 +194,60 @@ class NarDrafter:
         return self.model.encoder.reorder_encoder_out(encoder_out, rows)
 
 
+class CachedDrafter(NarDrafter):
+    """The cached drafter (models/cached_drafter.py): a NAR drafter on the verifier's encoder
+    output whose causal prefix lives in a KV cache. Each iteration feeds the tokens committed
+    since the last one (causally, kept in the cache) and the k masks (seeing the prefix and each
+    other, dropped again), on the verifier's block scorer."""
+
+    def __init__(self, model, pad: int, eos: int):
+        super().__init__(model, pad, eos)
+        self.scorer = TransformerVerifier(
+            model, role="the cached drafter (--drafter-path)", drafter=True
+        )
+
+    def max_source_positions(self) -> int:
+        return self.model.encoder.max_positions()  # the verifier's encoder, copied
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict):
+        return self.scorer.start(net_input, encoder_out=verifier_encoder_out)
+
+    def position_logprobs(self, state, tokens: Tensor, lengths: Tensor, k: int):
+        """Log-probs [B, k, V] at the k masks after each row's ``tokens[b, :lengths[b] + 1]``;
+        the prefix entries not yet in the cache join it."""
+        fed = state.fed_lengths
+        n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
+        width = int(n_new.max())
+        order = torch.arange(width, device=tokens.device)
+        new = order < n_new.unsqueeze(1)
+        index = (fed.unsqueeze(1) + order).clamp(max=tokens.size(1) - 1)
+        block = torch.cat([torch.where(new, tokens.gather(1, index), self.pad),
+                           tokens.new_full((tokens.size(0), k), self.mask)], dim=1)  # fmt: skip
+        masks = n_new.unsqueeze(1) + torch.arange(k, device=tokens.device)
+        depths = torch.cat([order.expand_as(new), masks], dim=1)
+        # new prefix entries: causal among the real ones (so never a mask); masks: every real
+        # new entry and each other; padding entries: only themselves (no empty attention row)
+        entries = width + k
+        column = torch.arange(entries, device=tokens.device)
+        real = torch.cat([new, new.new_ones(tokens.size(0), k)], dim=1)  # [B, entries]
+        causal = column.unsqueeze(0) <= column.unsqueeze(1)
+        is_mask = column >= width
+        visible = (causal | is_mask.unsqueeze(1)) & real.unsqueeze(1) & real.unsqueeze(2)
+        visible |= torch.eye(entries, dtype=torch.bool, device=tokens.device)
+        logits = self.scorer.score_logits(state, block, depths, visible, outputs=k)
+        self.scorer.commit(state, order.expand_as(new), n_new)
+        logits = logits[:, :, : self.mask]
+        logits[:, :, self.pad] = float("-inf")
+        return torch.log_softmax(logits, dim=-1)
+
+    def commit(self, state, keep: Tensor, n_keep: Tensor) -> None:
+        """Nothing to do: the accepted tokens join the cache as prefix entries next time."""
+
+    def select_rows(self, state, rows: Tensor):
+        self.scorer.select_rows(state, rows)
+        return state
+
+
 class ArDrafter:
     """An autoregressive drafter: a small stock fairseq Transformer translation model, run on the
     verifier's block scorer (KV cache with tree attention). Each iteration feeds the pending
@@ -201,7 +255,8 @@ class ArDrafter:
     the whole verified prefix except the new pending token."""
 
     def __init__(self, model, pad: int, eos: int):
-        self.scorer = TransformerVerifier(model, role="the autoregressive drafter (--drafter-path)")
+        self.scorer = TransformerVerifier(model, role="the autoregressive drafter (--drafter-path)",
+                                          drafter=True)
         self.pad, self.eos = pad, eos
 
     def max_positions(self) -> int:
@@ -210,7 +265,7 @@ class ArDrafter:
     def max_source_positions(self) -> int:
         return self.scorer.model.encoder.max_positions()
 
-    def start(self, net_input: Dict[str, Tensor]):
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict):
         return self.scorer.start(net_input)
 
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:

@@ -147,7 +147,7 @@ class SpeculativeGenerator:
         finalized: List[List[Dict]] = [[] for _ in range(bsz)]
 
         verifier_state = self.verifier.start(net_input)
-        drafter_state = self.drafter.start(net_input)
+        drafter_state = self.drafter.start(net_input, verifier_state.encoder_out)
         # Empty source lines (the appended EOS only) get an empty translation without running
         # the decoder; a typed "</s>" is text and gets translated, as by SequenceGenerator.
         has_source = src_lengths > 1
@@ -181,16 +181,20 @@ class SpeculativeGenerator:
             n_accepted *= live
             path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
             if trace is not None:
-                trace.extend(self._trace_records(rows, live, row_tokens, row_lengths, tree, logits,
-                                                 normalizer, path, n_accepted, next_tokens))  # fmt: skip
-            emitted, n_emitted, ended = _emitted_tokens(path_tokens, n_accepted, next_tokens, self.eos)
+                trace.extend(self._trace_records(rows, live, row_tokens, row_lengths, tree,
+                                                 logits, normalizer, path, n_accepted,
+                                                 next_tokens))  # fmt: skip
+            emitted, n_emitted, ended = _emitted_tokens(
+                path_tokens, n_accepted, next_tokens, self.eos
+            )
             n_emitted *= live
             # 4. commit: append, keep [pending, accepted path] in both caches
             kept_entries = torch.cat([torch.zeros_like(pending), path.clamp(min=0) + 1], dim=1)
             slots = row_lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=rows.device)
             tokens[rows] = row_tokens.scatter(1, slots, emitted)
             state_rows = torch.arange(rows.numel(), device=rows.device).unsqueeze(1)
-            emitted_scores = logits[state_rows, kept_entries, emitted] - normalizer.gather(1, kept_entries)
+            emitted_logits = logits[state_rows, kept_entries, emitted]
+            emitted_scores = emitted_logits - normalizer.gather(1, kept_entries)
             token_scores[rows] = token_scores[rows].scatter(1, slots - 1, emitted_scores)
             lengths[rows] += n_emitted
             iterations[rows] += live
@@ -233,7 +237,9 @@ class SpeculativeGenerator:
                 tree.tokens, tree.draft_probs[:, :k], probs, self.eos, rng
             )
         else:
-            n_accepted, next_tokens = accept_top_beta(tree.tokens, logits, self.beta, self.tau, self.eos)
+            n_accepted, next_tokens = accept_top_beta(
+                tree.tokens, logits, self.beta, self.tau, self.eos
+            )
         chain = torch.arange(tree.tokens.size(1), device=logits.device).expand_as(tree.tokens)
         path = torch.where(chain < n_accepted.unsqueeze(1), chain, torch.full_like(chain, -1))
         return path, n_accepted, next_tokens
@@ -284,7 +290,9 @@ class SpeculativeGenerator:
         ]
         return torch.tensor(limits, device=src_lengths.device)
 
-    def _constrain(self, logits: Tensor, lengths: Tensor, depths: Tensor, max_lens: Tensor) -> Tensor:
+    def _constrain(
+        self, logits: Tensor, lengths: Tensor, depths: Tensor, max_lens: Tensor
+    ) -> Tensor:
         """Make in ``logits`` [B, W, V] the adjustments SequenceGenerator makes to every step's
         log-probs, for every block entry at once (the token predicted at an entry of depth d is
         output step lengths + d), touching only the columns and entries concerned. Returns the

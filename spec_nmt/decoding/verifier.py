@@ -21,11 +21,11 @@ entries are not contiguous, is moved into place (a few slots per row).
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor
 
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.models import block_forward
 from spec_nmt.models.spec_drafter import SpecDrafterModel
 
 # initial cache slots per row; zero-filled so that unwritten slots hold no NaN for masked
@@ -58,7 +58,16 @@ class VerifierState:
 class TransformerVerifier:
     """Wraps a fairseq ``TransformerModel`` (any checkpoint trained with ``--task translation``)."""
 
-    def __init__(self, model, temperature: float = 1.0, role: str = "the verifier (--path)"):
+    def __init__(self, model, temperature: float = 1.0, role: str = "the verifier (--path)",
+                 drafter: bool = False):  # fmt: skip
+        """``role`` names the model in errors; ``drafter``: it scores blocks for a drafter (a
+        cached drafter is a Spec-Drafter model, which is refused as a verifier)."""
+        if not drafter and isinstance(model, SpecDrafterModel):
+            raise SpecNmtError(
+                f"{role} is a Spec-Drafter, not a verifier: the verifier is the Transformer "
+                "trained with --task translation (--path, verifier.pt), the drafter goes to "
+                "--drafter-path (drafter.pt)"
+            )
         decoder = getattr(model, "decoder", None)
         if (
             not isinstance(decoder, TransformerDecoderBase)
@@ -67,12 +76,6 @@ class TransformerVerifier:
             raise SpecNmtError(
                 f"{role} must be a fairseq Transformer encoder-decoder translation "
                 f"model, got {type(model).__name__}"
-            )
-        if isinstance(model, SpecDrafterModel):
-            raise SpecNmtError(
-                f"{role} is a Spec-Drafter, not a verifier: the verifier is the Transformer "
-                "trained with --task translation (--path, verifier.pt), the drafter goes to "
-                "--drafter-path (drafter.pt)"
             )
         unsupported = decoder.cross_self_attention or decoder.adaptive_softmax is not None
         for attn in [m for layer in decoder.layers for m in (layer.self_attn, layer.encoder_attn)]:
@@ -92,23 +95,16 @@ class TransformerVerifier:
     def max_positions(self) -> int:
         return self.decoder.max_positions()
 
-    def start(self, net_input: Dict[str, Tensor]) -> VerifierState:
-        """Run the encoder once for the batch and project its output for every layer's encoder
+    def start(
+        self, net_input: Dict[str, Tensor], encoder_out: Optional[Dict] = None
+    ) -> VerifierState:
+        """Run the encoder once for the batch (or take ``encoder_out``, another model's: the
+        cached drafter reads the verifier's) and project it for every layer's encoder
         attention; nothing is cached for the decoder yet."""
-        encoder_out = self.model.encoder.forward_torchscript(net_input)
-        enc = encoder_out["encoder_out"][0]  # [S, B, C]
-        keys, values = [], []
-        for layer in self.decoder.layers:
-            attn = layer.encoder_attn
-            if attn is not None:
-                keys.append(_split_heads(attn.k_proj(enc), attn.num_heads).contiguous())
-                values.append(_split_heads(attn.v_proj(enc), attn.num_heads).contiguous())
-        padding = encoder_out["encoder_padding_mask"]
-        bias = None
-        if len(padding) > 0 and padding[0].any():
-            bias = torch.zeros(padding[0].shape, dtype=enc.dtype, device=enc.device)
-            bias = bias.masked_fill(padding[0], float("-inf"))[:, None, None, :]
-        return VerifierState(encoder_out, keys, values, bias)
+        if encoder_out is None:
+            encoder_out = self.model.encoder.forward_torchscript(net_input)
+        encoder_attention = block_forward.encoder_keys_values(self.decoder, encoder_out)
+        return VerifierState(encoder_out, *encoder_attention)
 
     def score_logits(
         self,
@@ -116,9 +112,11 @@ class TransformerVerifier:
         block_tokens: Tensor,  # [B, W]
         depths: Optional[Tensor] = None,  # [W] or [B, W]; default 0 .. W-1
         visible: Optional[Tensor] = None,  # [B, W, U+W] bool over uncommitted entries
+        outputs: Optional[int] = None,  # logits for the last ``outputs`` entries only
     ) -> Tensor:
         """Float logits [B, W, V] (temperature applied) of the next token after each of the W
-        block inputs: a fresh tensor the caller may change in place.
+        block inputs (or the last ``outputs`` of them): a fresh tensor the caller may change
+        in place.
 
         Block entry i of row b sits at decoder position ``fed_lengths[b] + depths[i]`` and sees
         the row's committed prefix plus the uncommitted entries (U from earlier blocks since the
@@ -132,19 +130,11 @@ class TransformerVerifier:
             depths = torch.arange(width, device=device)
         entries = state.uncommitted + width  # uncommitted entries once this block is written
         if visible is None:
-            visible = torch.ones(width, entries, dtype=torch.bool, device=device).tril(state.uncommitted)
-            visible = visible.expand(batch, -1, -1)
+            visible = torch.ones(width, entries, dtype=torch.bool, device=device)
+            visible = visible.tril(state.uncommitted).expand(batch, -1, -1)
 
-        x = dec.embed_scale * dec.embed_tokens(block_tokens)
-        if dec.quant_noise is not None:
-            x = dec.quant_noise(x)
-        if dec.project_in_dim is not None:
-            x = dec.project_in_dim(x)
-        if dec.embed_positions is not None:
-            x = x + self._position_embeddings(state.fed_lengths.unsqueeze(1) + depths)
-        if dec.layernorm_embedding is not None:
-            x = dec.layernorm_embedding(x)
-        x = dec.dropout_module(x).transpose(0, 1)
+        x = block_forward.embed(dec, block_tokens, state.fed_lengths.unsqueeze(1) + depths,
+                                self._positions(state, width))  # fmt: skip
 
         # where the block goes, and which cache slots each block entry sees
         first_slot = state.fed_lengths + state.uncommitted  # [B]
@@ -154,10 +144,10 @@ class TransformerVerifier:
         slots = first_slot.unsqueeze(1) + torch.arange(width, device=device)  # [B, W]
         relative = torch.arange(span, device=device) - state.fed_lengths.unsqueeze(1)  # [B, span]
         in_block = (relative >= 0) & (relative < entries)
-        block_seen = visible.gather(2, relative.clamp(0, entries - 1).unsqueeze(1).expand(-1, width, -1))
+        entry = relative.clamp(0, entries - 1).unsqueeze(1).expand(-1, width, -1)
+        block_seen = visible.gather(2, entry)
         seen = torch.where(in_block.unsqueeze(1), block_seen, (relative < 0).unsqueeze(1))
-        bias = torch.zeros(seen.shape, dtype=x.dtype, device=device)
-        bias = bias.masked_fill(~seen, float("-inf")).unsqueeze(1)  # [B, 1, W, span]
+        bias = block_forward.additive_mask(seen, x.dtype)  # [B, 1, W, span]
 
         def write(cache: Tensor, new: Tensor) -> None:  # new [B, heads, W, head_dim]
             if uniform:
@@ -167,19 +157,22 @@ class TransformerVerifier:
                 index = slots[:, None, :, None].expand(-1, new.size(1), -1, new.size(3))
                 cache.scatter_(2, index, new)
 
-        encoder_layer = 0
-        for i, layer in enumerate(dec.layers):
-            encoder_kv = None
-            if layer.encoder_attn is not None and state.encoder_keys:
-                encoder_kv = (state.encoder_keys[encoder_layer], state.encoder_values[encoder_layer])
-                encoder_layer += 1
-            x = _decoder_layer(layer, x, (state.keys[i], state.values[i], write, span, bias),
-                               encoder_kv, state.encoder_bias)  # fmt: skip
-        if dec.layer_norm is not None:
-            x = dec.layer_norm(x)
-        x = x.transpose(0, 1)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
+        def self_attention(i: int):
+            keys, values = state.keys[i], state.values[i]
+
+            def attention(attn, x: Tensor) -> Tensor:
+                write(keys, block_forward.split_heads(attn.k_proj(x), attn.num_heads))
+                write(values, block_forward.split_heads(attn.v_proj(x), attn.num_heads))
+                query = block_forward.split_heads(attn.q_proj(x), attn.num_heads)
+                seen_keys, seen_values = keys[:, :, :span], values[:, :, :span]
+                return block_forward.attend(attn, query, seen_keys, seen_values, bias)
+
+            return attention
+
+        x = block_forward.layers(dec, x, self_attention, state.encoder_keys, state.encoder_values,
+                                 state.encoder_bias)  # fmt: skip
+        if outputs is not None:
+            x = x[:, width - outputs :]
         logits = dec.output_layer(x).float()
         if self.temperature != 1.0:
             logits.div_(self.temperature)
@@ -235,87 +228,13 @@ class TransformerVerifier:
         state.keys = [keys for keys, _ in grown]
         state.values = [values for _, values in grown]
 
-    def _position_embeddings(self, positions: Tensor) -> Tensor:
-        """Position embeddings [B, W, C] for 0-based decoder positions [B, W].
-
-        Built from the decoder's own positional module (learned or sinusoidal alike). Positions
-        past the model's limit are clamped: they only occur after a forced EOS, and causal
-        attention keeps them from touching earlier positions.
-        """
-        needed = int(positions.max()) + 1
+    def _positions(self, state: VerifierState, width: int) -> Optional[Tensor]:
+        """The decoder's position table, built once and long enough for this block."""
+        if self.decoder.embed_positions is None:
+            return None
+        needed = int(state.fed_lengths.max()) + state.uncommitted + width
         limit = self.decoder.max_positions()
         if self._position_table is None or self._position_table.size(0) < min(needed, limit):
             length = min(max(needed, 256), limit)
-            non_pad = self.decoder.padding_idx + 1
-            dummy = positions.new_full((1, length), non_pad)
-            self._position_table = self.decoder.embed_positions(dummy)[0]
-        return self._position_table[positions.clamp(max=self._position_table.size(0) - 1)]
-
-
-def _split_heads(x: Tensor, heads: int) -> Tensor:
-    """[T, B, C] → [B, heads, T, head_dim]."""
-    length, batch, channels = x.shape
-    return x.view(length, batch, heads, channels // heads).permute(1, 2, 0, 3)
-
-
-def _merge_heads(x: Tensor) -> Tensor:
-    """[B, heads, T, head_dim] → [T, B, C]."""
-    batch, heads, length, head_dim = x.shape
-    return x.permute(2, 0, 1, 3).reshape(length, batch, heads * head_dim)
-
-
-def _decoder_layer(layer, x: Tensor, self_cache, encoder_kv, encoder_bias) -> Tensor:
-    """A stock ``TransformerDecoderLayerBase`` step for a block [W, B, C] on the preallocated
-    caches; everything but the attention arithmetic is the layer's own modules."""
-    residual = x
-    if layer.normalize_before:
-        x = layer.self_attn_layer_norm(x)
-    x = _cached_self_attention(layer.self_attn, x, *self_cache)
-    if layer.c_attn is not None:
-        heads = layer.c_attn.numel()
-        x = (x.view(*x.shape[:2], heads, -1) * layer.c_attn.view(heads, 1)).flatten(2)
-    if layer.attn_ln is not None:
-        x = layer.attn_ln(x)
-    x = layer.residual_connection(layer.dropout_module(x), residual)
-    if not layer.normalize_before:
-        x = layer.self_attn_layer_norm(x)
-
-    if encoder_kv is not None:
-        residual = x
-        if layer.normalize_before:
-            x = layer.encoder_attn_layer_norm(x)
-        attn = layer.encoder_attn
-        query = _split_heads(attn.q_proj(x), attn.num_heads)
-        out = F.scaled_dot_product_attention(query, *encoder_kv, attn_mask=encoder_bias,
-                                             scale=attn.scaling)  # fmt: skip
-        x = attn.out_proj(_merge_heads(out))
-        x = layer.residual_connection(layer.dropout_module(x), residual)
-        if not layer.normalize_before:
-            x = layer.encoder_attn_layer_norm(x)
-
-    residual = x
-    if layer.normalize_before:
-        x = layer.final_layer_norm(x)
-    x = layer.activation_dropout_module(layer.activation_fn(layer.fc1(x)))
-    if layer.ffn_layernorm is not None:
-        x = layer.ffn_layernorm(x)
-    x = layer.dropout_module(layer.fc2(x))
-    if layer.w_resid is not None:
-        residual = torch.mul(layer.w_resid, residual)
-    x = layer.residual_connection(x, residual)
-    if not layer.normalize_before:
-        x = layer.final_layer_norm(x)
-    return x
-
-
-def _cached_self_attention(attn, x: Tensor, keys: Tensor, values: Tensor, write, span: int,
-                           bias: Tensor) -> Tensor:  # fmt: skip
-    """fairseq ``MultiheadAttention`` self-attention for block x [W, B, C]: the block's keys and
-    values are written into the cache (``write``), then every entry attends to the first
-    ``span`` slots under the per-row mask ``bias`` [B, 1, W, span]."""
-    query = _split_heads(attn.q_proj(x), attn.num_heads)
-    write(keys, _split_heads(attn.k_proj(x), attn.num_heads))
-    write(values, _split_heads(attn.v_proj(x), attn.num_heads))
-    out = F.scaled_dot_product_attention(query, keys[:, :, :span], values[:, :, :span],
-                                         attn_mask=bias, scale=attn.scaling)  # fmt: skip
-    return attn.out_proj(_merge_heads(out))
+            self._position_table = block_forward.position_table(self.decoder, length)
+        return self._position_table

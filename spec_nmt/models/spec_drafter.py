@@ -97,9 +97,15 @@ class SpecDrafterModel(TransformerModel):
         dictionaries = SimpleNamespace(source_dictionary=src_dict, target_dictionary=tgt_dict)
         return super().build_model(args, dictionaries)
 
+    def verifier_parts(self):
+        """Name prefixes of the verifier's tensors this drafter starts from: the encoder (and,
+        always, the token embeddings), SpecDec's drafter initialisation."""
+        return ("encoder.",)
+
     def initialize_from_verifier(self, path):
-        """Copy the verifier's encoder and embeddings (SpecDec's drafter initialisation). The
-        drafter's dictionary is the verifier's plus [MASK] at the end, so embedding rows line up."""
+        """Copy the verifier's tensors named by ``verifier_parts`` where the drafter has them.
+        The drafter's dictionary is the verifier's plus [MASK] at the end, so vocabulary rows
+        line up; the [MASK] row keeps its random init."""
         from fairseq import checkpoint_utils
 
         if not os.path.isfile(path):
@@ -108,8 +114,8 @@ class SpecDrafterModel(TransformerModel):
         own_state = self.state_dict()
         copied = {}
         for name, value in verifier_state.items():
-            is_embedding = name.endswith("embed_tokens.weight")
-            if not (name.startswith("encoder.") or is_embedding) or name not in own_state:
+            is_embedding = name.endswith(("embed_tokens.weight", "output_projection.weight"))
+            if not (name.startswith(self.verifier_parts()) or is_embedding) or name not in own_state:
                 continue
             target = own_state[name]
             rows = value.size(0)

@@ -1,7 +1,8 @@
 """Task ``spec_translation``: fairseq's translation task, plus
 
-* training a Spec-Drafter: every target is cut at a random point c; the decoder input becomes
-  BOS + y[:c] + k [MASK]s and the labels y[c:c+k] (EOS included, padding past the end);
+* training a drafter: every target is cut at random points c, each cut's labels are y[c:c+k]
+  (EOS included, padding past the end). A Spec-Drafter gets one decoder row BOS + y[:c] + k
+  [MASK]s per cut; a cached drafter gets BOS + y once, then one block of k masks per cut;
 * speculative decoding: with ``--drafter-path``, ``build_generator`` returns the speculative
   generator, so ``fairseq-generate`` and ``fairseq-interactive`` decode with it unchanged. The
   drafter is a Spec-Drafter (non-autoregressive) or any stock fairseq Transformer trained with
@@ -23,11 +24,12 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from spec_nmt.decoding.drafters import ArDrafter, DraftPlan, NarDrafter
+from spec_nmt.decoding.drafters import ArDrafter, CachedDrafter, DraftPlan, NarDrafter
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.decoding.verify import check_sampling_params, check_top_beta_params
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.models.cached_drafter import CachedDrafterModel
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel
 
 logger = logging.getLogger(__name__)
@@ -127,56 +129,64 @@ class SpecTranslationTask(TranslationTask):
         model = super().build_model(cfg, from_checkpoint)
         if not from_checkpoint and not isinstance(model, SpecDrafterModel):
             raise SpecNmtError(
-                "--task spec_translation trains Spec-Drafters (--arch spec_drafter_small, "
-                "spec_drafter_base, ...); train the verifier with --task translation"
+                "--task spec_translation trains drafters (--arch spec_drafter_small, "
+                "cached_drafter_small, ...); train the verifier with --task translation"
             )
         init_path = getattr(cfg, "init_from_verifier", None)
+        if not from_checkpoint and not init_path and isinstance(model, CachedDrafterModel):
+            raise SpecNmtError(
+                "a cached drafter drafts on the verifier's frozen encoder: give "
+                "--init-from-verifier VERIFIER.pt, the verifier it will decode with"
+            )
         if not from_checkpoint and init_path:
             model.initialize_from_verifier(init_path)
         return model
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         return super().train_step(
-            self.drafter_sample(sample), model, criterion, optimizer, update_num, ignore_grad
+            self.drafter_sample(sample, model), model, criterion, optimizer, update_num, ignore_grad
         )
 
     def valid_step(self, sample, model, criterion):
         # Fixed cut points per batch, so validation losses compare across epochs.
         generator = torch.Generator().manual_seed(int(sample["id"].sum()))
-        return super().valid_step(self.drafter_sample(sample, generator), model, criterion)
+        return super().valid_step(self.drafter_sample(sample, model, generator), model, criterion)
 
-    def drafter_sample(self, sample, generator: Optional[torch.Generator] = None):
-        """Turn a translation batch into a drafter batch: cut every target at random points c
-        (--cuts-per-sentence rows per sentence, next to each other; the drafter model runs the
-        encoder once per sentence and shares it between them)."""
-        target = sample["target"].repeat_interleave(self.cfg.cuts_per_sentence, dim=0)
+    def drafter_sample(self, sample, model, generator: Optional[torch.Generator] = None):
+        """Turn a translation batch into a drafter batch for ``model``: cut every target at
+        --cuts-per-sentence random points (stratified: the j-th of m cuts falls in the j-th m-th
+        of its length). Labels are one row per cut, the cuts of a sentence next to each other.
+        A Spec-Drafter gets one decoder row per cut (its model runs the encoder once per
+        sentence and shares it between them); a cached drafter gets BOS + target once and one
+        block of k masks per cut."""
+        target = sample["target"]
         pad, eos = self.target_dictionary.pad(), self.target_dictionary.eos()
         mask = self.drafter_dictionaries()[1].index(MASK_SYMBOL)
-        k = self.cfg.block_size
-        target_lengths = target.ne(pad).sum(dim=1)
-        # Stratified: the j-th of m cuts of a sentence falls in the j-th m-th of its length.
-        m = self.cfg.cuts_per_sentence
-        uniform = torch.rand(target.size(0), generator=generator).to(target.device)
-        stratum = torch.arange(target.size(0), device=target.device) % m
+        k, m = self.cfg.block_size, self.cfg.cuts_per_sentence
+        target_lengths = target.ne(pad).sum(dim=1).repeat_interleave(m)
+        uniform = torch.rand(target_lengths.size(0), generator=generator).to(target.device)
+        stratum = torch.arange(target_lengths.size(0), device=target.device) % m
         fraction = (stratum + uniform) / m
         cuts = (fraction * target_lengths).long().clamp(max=target_lengths - 1)  # c in [0, len)
 
-        width = int(cuts.max()) + 1 + k
-        slots = torch.arange(width, device=target.device).unsqueeze(0)
-        shifted = torch.cat([target.new_full((target.size(0), 1), eos), target], dim=1)
-        shifted = _fit_width(shifted, width, pad)
-        prefix_end = cuts.unsqueeze(1) + 1
-        decoder_input = torch.where(
-            slots < prefix_end, shifted, torch.where(slots < prefix_end + k, mask, pad)
-        )
+        rows = target.repeat_interleave(m, dim=0)
         label_index = cuts.unsqueeze(1) + torch.arange(k, device=target.device)
-        labels = _fit_width(target, int(label_index.max()) + 1, pad).gather(1, label_index)
-
-        drafter_sample = dict(sample)
-        drafter_sample["net_input"] = dict(sample["net_input"], prev_output_tokens=decoder_input)
-        drafter_sample["target"] = labels
-        drafter_sample["ntokens"] = int(labels.ne(pad).sum())
-        return drafter_sample
+        labels = _fit_width(rows, int(label_index.max()) + 1, pad).gather(1, label_index)
+        shifted = torch.cat([target.new_full((target.size(0), 1), eos), target[:, :-1]], dim=1)
+        if isinstance(_unwrapped(model), CachedDrafterModel):
+            masks = target.new_full((target.size(0), m * k), mask)
+            net_input = dict(sample["net_input"], prev_output_tokens=torch.cat([shifted, masks], 1),
+                             cuts=cuts.view(-1, m))  # fmt: skip
+        else:
+            width = int(cuts.max()) + 1 + k
+            slots = torch.arange(width, device=target.device).unsqueeze(0)
+            prefix_end = cuts.unsqueeze(1) + 1
+            shifted = _fit_width(shifted.repeat_interleave(m, dim=0), width, pad)
+            decoder_input = torch.where(
+                slots < prefix_end, shifted, torch.where(slots < prefix_end + k, mask, pad)
+            )
+            net_input = dict(sample["net_input"], prev_output_tokens=decoder_input)
+        return dict(sample, net_input=net_input, target=labels, ntokens=int(labels.ne(pad).sum()))
 
     # ----- speculative decoding ---------------------------------------------------------------
     def build_generator(
@@ -237,11 +247,13 @@ class SpecTranslationTask(TranslationTask):
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
         arch = _checkpoint_arch(state)
         autoregressive = arch is not None and arch.startswith("transformer")
-        if arch is None or not (arch.startswith("spec_drafter") or autoregressive):
+        drafter_arch = arch is not None and arch.startswith(("spec_drafter", "cached_drafter"))
+        if not (drafter_arch or autoregressive):
             raise SpecNmtError(
-                f"--drafter-path {path} is neither a Spec-Drafter nor a Transformer checkpoint "
-                f"(arch {arch}); train one with --task spec_translation --arch spec_drafter_small "
-                "or with --task translation --arch transformer"
+                f"--drafter-path {path} is neither a Spec-Drafter, a cached drafter nor a "
+                f"Transformer checkpoint (arch {arch}); train one with --task spec_translation "
+                "--arch spec_drafter_small or cached_drafter_small, or with --task translation "
+                "--arch transformer"
             )
         if autoregressive:
             embeddings = state["model"].get("decoder.embed_tokens.weight")
@@ -254,7 +266,11 @@ class SpecTranslationTask(TranslationTask):
         (model,), _ = checkpoint_utils.load_model_ensemble([path], task=self, state=state)
         reference = next(verifier_model.parameters())
         model = model.to(device=reference.device, dtype=reference.dtype).eval()
-        adapter = ArDrafter if autoregressive else NarDrafter
+        if isinstance(model, CachedDrafterModel):
+            model.check_encoder_matches(verifier_model)
+            adapter = CachedDrafter
+        else:
+            adapter = ArDrafter if autoregressive else NarDrafter
         dictionary = self.target_dictionary
         return adapter(model, pad=dictionary.pad(), eos=dictionary.eos())
 
@@ -296,6 +312,13 @@ def _with_mask(dictionary):
     extended = copy.deepcopy(dictionary)
     extended.add_symbol(MASK_SYMBOL, n=0)
     return extended
+
+
+def _unwrapped(model):
+    """The model inside fairseq's distributed wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def _fit_width(tokens, width: int, pad: int):

@@ -1,0 +1,154 @@
+"""A stock fairseq ``TransformerDecoderBase`` run over a block of entries with explicit positions
+and any per-row visibility between them, through the decoder's own modules.
+
+fairseq's decoder knows two attention patterns, causal (training, incremental decoding) and full
+(``full_context_alignment``), each the same for every row. Block scoring on a cache (the verifier
+and the autoregressive drafter), tree attention and the cached drafter's prefix-plus-masks pattern
+need a per-row mask, so these functions redo the decoder's forward with
+``scaled_dot_product_attention`` and leave every weight, norm and activation to the stock modules.
+Training (the cached drafter) and decoding share them, so both see the same arithmetic.
+"""
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# (layer's self-attention module, block queries' input [W, B, C]) -> attention output [W, B, C]
+SelfAttention = Callable[[object, Tensor], Tensor]
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """[T, B, C] → [B, heads, T, head_dim]."""
+    length, batch, channels = x.shape
+    return x.view(length, batch, heads, channels // heads).permute(1, 2, 0, 3)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """[B, heads, T, head_dim] → [T, B, C]."""
+    batch, heads, length, head_dim = x.shape
+    return x.permute(2, 0, 1, 3).reshape(length, batch, heads * head_dim)
+
+
+def additive_mask(seen: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool visibility [B, W, S] → additive attention mask [B, 1, W, S] (0 or -inf)."""
+    bias = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
+    return bias.masked_fill(~seen, float("-inf")).unsqueeze(1)
+
+
+def attend(attn, query: Tensor, keys: Tensor, values: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """Scaled dot-product attention of fairseq ``MultiheadAttention`` ``attn`` on split heads,
+    with its scaling and (in training) its attention dropout; returns [T, B, C] after out_proj."""
+    dropout = attn.dropout_module.p if attn.training else 0.0
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, dropout_p=dropout,
+                                         scale=attn.scaling)  # fmt: skip
+    return attn.out_proj(merge_heads(out))
+
+
+def encoder_keys_values(
+    decoder, encoder_out
+) -> Tuple[List[Tensor], List[Tensor], Optional[Tensor]]:
+    """Every layer's encoder-attention keys and values [B, heads, S, head_dim] (layers without
+    encoder attention have none) and the source padding as an additive mask [B, 1, 1, S]."""
+    enc = encoder_out["encoder_out"][0]  # [S, B, C]
+    keys, values = [], []
+    for layer in decoder.layers:
+        attn = layer.encoder_attn
+        if attn is not None:
+            keys.append(split_heads(attn.k_proj(enc), attn.num_heads).contiguous())
+            values.append(split_heads(attn.v_proj(enc), attn.num_heads).contiguous())
+    padding = encoder_out["encoder_padding_mask"]
+    bias = None
+    if len(padding) > 0 and padding[0].any():
+        bias = additive_mask(~padding[0].unsqueeze(1), enc.dtype)
+    return keys, values, bias
+
+
+def position_table(decoder, length: int) -> Tensor:
+    """The decoder's position embeddings [length, C] for 0-based positions 0 .. length-1, from
+    its own positional module (learned or sinusoidal alike)."""
+    non_pad = decoder.padding_idx + 1
+    dummy = torch.full(
+        (1, length), non_pad, dtype=torch.long, device=decoder.embed_tokens.weight.device
+    )
+    return decoder.embed_positions(dummy)[0]
+
+
+def embed(decoder, tokens: Tensor, positions: Tensor, table: Optional[Tensor] = None) -> Tensor:
+    """Decoder input [W, B, C] for tokens [B, W] at 0-based positions [B, W] (or [W]).
+    ``table`` is a position table built earlier (decoding); without it one is built now, so
+    learned positions get their gradient (training)."""
+    x = decoder.embed_scale * decoder.embed_tokens(tokens)
+    if decoder.quant_noise is not None:
+        x = decoder.quant_noise(x)
+    if decoder.project_in_dim is not None:
+        x = decoder.project_in_dim(x)
+    if decoder.embed_positions is not None:
+        if table is None:
+            table = position_table(decoder, min(int(positions.max()) + 1, decoder.max_positions()))
+        # Positions past the limit are clamped: they only occur after a forced EOS.
+        x = x + table[positions.clamp(max=table.size(0) - 1)]
+    if decoder.layernorm_embedding is not None:
+        x = decoder.layernorm_embedding(x)
+    return decoder.dropout_module(x).transpose(0, 1)
+
+
+def layers(decoder, x: Tensor, self_attention: Callable[[int], SelfAttention],
+           encoder_keys: List[Tensor], encoder_values: List[Tensor],
+           encoder_bias: Optional[Tensor]) -> Tensor:  # fmt: skip
+    """Every decoder layer over x [W, B, C], layer i's self-attention given by
+    ``self_attention(i)``, then the decoder's final norm: features [B, W, C]."""
+    encoder_layer = 0
+    for i, layer in enumerate(decoder.layers):
+        encoder_kv = None
+        if layer.encoder_attn is not None and encoder_keys:
+            encoder_kv = (encoder_keys[encoder_layer], encoder_values[encoder_layer])
+            encoder_layer += 1
+        x = _layer(layer, x, self_attention(i), encoder_kv, encoder_bias)
+    if decoder.layer_norm is not None:
+        x = decoder.layer_norm(x)
+    x = x.transpose(0, 1)
+    if decoder.project_out_dim is not None:
+        x = decoder.project_out_dim(x)
+    return x
+
+
+def _layer(layer, x: Tensor, self_attention: SelfAttention, encoder_kv, encoder_bias) -> Tensor:
+    """One stock ``TransformerDecoderLayerBase`` over x [W, B, C]."""
+    residual = x
+    if layer.normalize_before:
+        x = layer.self_attn_layer_norm(x)
+    x = self_attention(layer.self_attn, x)
+    if layer.c_attn is not None:
+        heads = layer.c_attn.numel()
+        x = (x.view(*x.shape[:2], heads, -1) * layer.c_attn.view(heads, 1)).flatten(2)
+    if layer.attn_ln is not None:
+        x = layer.attn_ln(x)
+    x = layer.residual_connection(layer.dropout_module(x), residual)
+    if not layer.normalize_before:
+        x = layer.self_attn_layer_norm(x)
+
+    if encoder_kv is not None:
+        residual = x
+        if layer.normalize_before:
+            x = layer.encoder_attn_layer_norm(x)
+        attn = layer.encoder_attn
+        x = attend(attn, split_heads(attn.q_proj(x), attn.num_heads), *encoder_kv, encoder_bias)
+        x = layer.residual_connection(layer.dropout_module(x), residual)
+        if not layer.normalize_before:
+            x = layer.encoder_attn_layer_norm(x)
+
+    residual = x
+    if layer.normalize_before:
+        x = layer.final_layer_norm(x)
+    x = layer.activation_dropout_module(layer.activation_fn(layer.fc1(x)))
+    if layer.ffn_layernorm is not None:
+        x = layer.ffn_layernorm(x)
+    x = layer.dropout_module(layer.fc2(x))
+    if layer.w_resid is not None:
+        residual = torch.mul(layer.w_resid, residual)
+    x = layer.residual_connection(x, residual)
+    if not layer.normalize_before:
+        x = layer.final_layer_norm(x)
+    return x

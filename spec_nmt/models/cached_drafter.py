@@ -1,0 +1,165 @@
+"""Cached drafter: a non-autoregressive drafter with no encoder of its own and a cacheable prefix.
+
+Its decoder reads the verifier's encoder output (computed once per sentence for the verifier
+anyway) and sees ``BOS + verified prefix + k [MASK]``, like the Spec-Drafter's, with another
+attention pattern: prefix entries attend causally, so their keys/values can be cached and
+extended by each iteration's committed tokens; the k masks see the whole prefix and each other.
+An iteration then computes only the newly committed tokens and the k masks.
+
+Training uses the same pattern: the verifier's encoder is copied into the model and frozen
+(``--init-from-verifier`` is required), and one pass over ``BOS + target`` followed by
+``--cuts-per-sentence`` blocks of k masks trains every cut at once: block m's masks sit at the
+positions after cut c_m and see the prefix entries up to c_m and their own block only.
+"""
+
+import torch
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import TransformerDecoderBase, base_architecture
+from torch import Tensor
+
+from spec_nmt.errors import SpecNmtError
+from spec_nmt.models import block_forward
+from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel
+
+
+def cut_visibility(prefix_width: int, cuts: Tensor, block_size: int) -> Tensor:
+    """Which entries each entry sees [B, P + M*k, P + M*k] for P prefix entries (causal) then M
+    blocks of k masks, block m after cut ``cuts[:, m]`` (it sees prefix entries 0 .. c_m and its
+    own block)."""
+    batch, blocks = cuts.shape
+    device = cuts.device
+    prefix = torch.arange(prefix_width, device=device)
+    masks = blocks * block_size
+    causal = (prefix.unsqueeze(0) <= prefix.unsqueeze(1)).expand(batch, -1, -1)
+    top = torch.cat([causal, causal.new_zeros(batch, prefix_width, masks)], dim=2)
+    sees_prefix = (prefix.view(1, 1, -1) <= cuts.unsqueeze(2)).repeat_interleave(block_size, dim=1)
+    block = torch.arange(blocks, device=device).repeat_interleave(block_size)
+    same_block = (block.unsqueeze(0) == block.unsqueeze(1)).expand(batch, -1, -1)
+    return torch.cat([top, torch.cat([sees_prefix, same_block], dim=2)], dim=1)
+
+
+def cut_positions(prefix_width: int, cuts: Tensor, block_size: int) -> Tensor:
+    """Decoder positions [B, P + M*k]: prefix entry i at i, mask j of block m at c_m + 1 + j."""
+    batch = cuts.size(0)
+    prefix = torch.arange(prefix_width, device=cuts.device).expand(batch, -1)
+    offsets = torch.arange(1, block_size + 1, device=cuts.device)
+    masks = (cuts.unsqueeze(2) + offsets).flatten(1)
+    return torch.cat([prefix, masks], dim=1)
+
+
+class CachedDrafterDecoder(TransformerDecoderBase):
+    """A Transformer decoder whose prefix is causal and whose [MASK] blocks see their cut's
+    prefix and each other; it scores only the masks."""
+
+    def __init__(self, cfg, dictionary, embed_tokens):
+        super().__init__(cfg, dictionary, embed_tokens)
+        if MASK_SYMBOL not in dictionary.indices:
+            raise ValueError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
+        self.mask_idx = dictionary.index(MASK_SYMBOL)
+
+    def forward(self, prev_output_tokens, encoder_out=None, cuts=None, **unused):
+        """prev_output_tokens [B, P + M*k]: BOS + target prefix (right-padded), then M blocks of
+        k masks; cuts [B, M]. Returns (logits [B*M, k, V] at the masks, extra)."""
+        if cuts is None:
+            raise ValueError("the cached drafter's decoder needs the cut points of its mask blocks")
+        batch, blocks = cuts.shape
+        masks = int(prev_output_tokens[0].eq(self.mask_idx).sum())
+        if masks == 0 or masks % blocks:
+            raise ValueError(f"{masks} masks per row do not make {blocks} blocks")
+        block_size = masks // blocks
+        prefix_width = prev_output_tokens.size(1) - masks
+        positions = cut_positions(prefix_width, cuts, block_size)
+        x = block_forward.embed(self, prev_output_tokens, positions)
+        bias = block_forward.additive_mask(cut_visibility(prefix_width, cuts, block_size), x.dtype)
+
+        def self_attention(_layer: int):
+            def attention(attn, x: Tensor) -> Tensor:
+                heads = attn.num_heads
+                query, keys, values = (block_forward.split_heads(proj(x), heads)
+                                       for proj in (attn.q_proj, attn.k_proj, attn.v_proj))  # fmt: skip
+                return block_forward.attend(attn, query, keys, values, bias)
+
+            return attention
+
+        keys, values, encoder_bias = block_forward.encoder_keys_values(self, encoder_out)
+        features = block_forward.layers(self, x, self_attention, keys, values, encoder_bias)
+        logits = self.output_layer(features[:, prefix_width:])
+        return logits.reshape(batch * blocks, block_size, -1), {}
+
+
+@register_model("cached_drafter")
+class CachedDrafterModel(SpecDrafterModel):
+    """Decoder-only NAR drafter on the verifier's frozen encoder. Train it with
+    ``--task spec_translation --init-from-verifier VERIFIER.pt``; decoding uses the verifier's
+    encoder output, so the drafter only runs with the verifier it was trained on."""
+
+    @classmethod
+    def build_model(cls, args, task):
+        # The encoder must stay the verifier's: it gets embeddings of its own (frozen), and the
+        # decoder ties only its input and output embeddings.
+        args.share_all_embeddings = False
+        args.share_decoder_input_output_embed = True
+        model = super().build_model(args, task)
+        for parameter in model.encoder.parameters():
+            parameter.requires_grad_(False)
+        return model
+
+    @classmethod
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+        return CachedDrafterDecoder(cfg, tgt_dict, embed_tokens)
+
+    def verifier_parts(self):
+        """The verifier's encoder (frozen here), embeddings and decoder layers 0 .. N-1."""
+        return ("encoder.", "decoder.")
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.encoder.eval()  # frozen: no dropout, the verifier's output exactly
+        return self
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, cuts=None, **unused):
+        with torch.no_grad():
+            encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
+        return self.decoder(prev_output_tokens, encoder_out, cuts=cuts)
+
+    def check_encoder_matches(self, verifier_model) -> None:
+        """Refuse a verifier whose encoder is not the one this drafter was trained on."""
+        own = self.encoder.state_dict()
+        theirs = verifier_model.encoder.state_dict()
+        for name, value in own.items():
+            other = theirs.get(name)
+            if name.endswith("embed_tokens.weight") and other is not None:
+                value = value[: other.size(0)]  # the drafter's row for [MASK] is extra
+            if (
+                other is None
+                or other.shape != value.shape
+                or not torch.equal(other.to(value), value)
+            ):
+                raise SpecNmtError(
+                    f"the cached drafter was trained on another verifier's encoder ({name} "
+                    "differs): it decodes only with the verifier given to --init-from-verifier"
+                )
+
+
+@register_model_architecture("cached_drafter", "cached_drafter")
+def cached_drafter_architecture(args):
+    """Defaults of every cached drafter: the verifier's encoder shape, a 2-layer decoder."""
+    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    base_architecture(args)
+
+
+@register_model_architecture("cached_drafter", "cached_drafter_small")
+def cached_drafter_small(args):
+    """Pairs with the small verifier (6 encoder layers, d=256, 4 heads, FFN 1024)."""
+    for side in ("encoder", "decoder"):
+        setattr(args, f"{side}_embed_dim", getattr(args, f"{side}_embed_dim", 256))
+        setattr(args, f"{side}_ffn_embed_dim", getattr(args, f"{side}_ffn_embed_dim", 1024))
+        setattr(args, f"{side}_attention_heads", getattr(args, f"{side}_attention_heads", 4))
+    args.encoder_layers = getattr(args, "encoder_layers", 6)
+    cached_drafter_architecture(args)
+
+
+@register_model_architecture("cached_drafter", "cached_drafter_base")
+def cached_drafter_base(args):
+    """Pairs with the base verifier (transformer_wmt_en_de: 6 encoder layers, d=512)."""
+    cached_drafter_architecture(args)

@@ -1,0 +1,97 @@
+"""The cached drafter: trained on the verifier's frozen encoder with the decoding attention
+pattern, its cached iterations equal a full recomputation, and it refuses other verifiers."""
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+
+from spec_nmt.decoding.drafters import CachedDrafter
+from spec_nmt.errors import SpecNmtError
+from spec_nmt.models.cached_drafter import cut_visibility
+from spec_nmt.models.spec_drafter import MASK_SYMBOL
+from tests.conftest import BLOCK_SIZE, train_drafter, train_losses
+
+
+@pytest.fixture(scope="module")
+def pair(toy):
+    (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(toy["cached_drafter"])], arg_overrides={"data": str(toy["bin"])}
+    )
+    (verifier,), _ = checkpoint_utils.load_model_ensemble([str(toy["verifier"])], task=task)
+    return task, drafter.eval(), verifier.eval()
+
+
+def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
+    task, drafter, verifier = pair
+    drafter.check_encoder_matches(verifier)  # 300 updates left the copied encoder untouched
+    losses = train_losses(toy["cached_drafter_log"])
+    assert losses[-1] < 0.75 * losses[0], losses
+    with torch.no_grad():
+        verifier.encoder.layers[0].fc1.weight[0, 0] += 1e-3
+    with pytest.raises(SpecNmtError, match="trained on another verifier's encoder"):
+        drafter.check_encoder_matches(verifier)
+    with torch.no_grad():
+        verifier.encoder.layers[0].fc1.weight[0, 0] -= 1e-3
+
+
+def test_a_mask_block_sees_its_cut_prefix_and_its_own_block_only():
+    # 4 prefix entries, blocks of 2 after cuts 1 and 3
+    seen = cut_visibility(4, torch.tensor([[1, 3]]), 2)[0].int().tolist()
+    assert seen == [
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0, 0, 1, 1],
+        [1, 1, 1, 1, 0, 0, 1, 1],
+    ]
+
+
+@torch.no_grad()
+def test_cached_iterations_equal_full_recomputation(pair):
+    """Random accept lengths per row, one row leaving: every iteration's mask distributions on
+    the cache equal the training forward over BOS + prefix + masks from scratch."""
+    task, drafter, verifier = pair
+    dictionary = task.target_dictionary
+    pad, eos = dictionary.pad(), dictionary.eos()
+    adapter = CachedDrafter(drafter, pad=pad, eos=eos)
+    mask = task.drafter_dictionaries()[1].index(MASK_SYMBOL)
+    src = torch.tensor([[pad, 9, 10, 11, eos], [12, 13, 14, 15, eos], [16, 17, 18, 19, eos]])
+    net_input = {"src_tokens": src, "src_lengths": src.ne(pad).sum(1)}
+    encoder_out = verifier.encoder.forward_torchscript(net_input)
+    state = adapter.start(net_input, encoder_out)
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.full((3, 40), pad)
+    tokens[:, 0] = eos
+    lengths = torch.zeros(3, dtype=torch.long)
+    rows = torch.arange(3)
+    k = BLOCK_SIZE
+    for iteration in range(6):
+        cached = adapter.position_logprobs(state, tokens[rows], lengths[rows], k)
+        for i, row in enumerate(rows.tolist()):
+            length = int(lengths[row])
+            decoder_input = torch.cat([tokens[row, : length + 1], torch.full((k,), mask)])
+            row_encoder = verifier.encoder.reorder_encoder_out(encoder_out, torch.tensor([row]))
+            logits, _ = drafter.decoder(decoder_input.unsqueeze(0), row_encoder,
+                                        cuts=torch.tensor([[length]]))  # fmt: skip
+            logits = logits[0, :, :mask].float()
+            logits[:, pad] = float("-inf")
+            torch.testing.assert_close(cached[i], logits.log_softmax(-1), atol=1e-5, rtol=1e-5)
+        # each row commits 1 .. k+1 new tokens (accepted drafts plus the verifier's token)
+        for row in rows.tolist():
+            n = int(torch.randint(1, k + 2, (1,), generator=generator))
+            new = torch.randint(dictionary.nspecial, len(dictionary), (n,), generator=generator)
+            tokens[row, lengths[row] + 1 : lengths[row] + 1 + n] = new
+            lengths[row] += n
+        if iteration == 2:
+            rows = torch.tensor([0, 2])
+            state = adapter.select_rows(state, torch.tensor([0, 2]))
+
+
+def test_training_without_the_verifier_is_refused_in_one_line(toy, tmp_path):
+    result = train_drafter(toy["bin"], tmp_path / "d", 1, "--arch", "cached_drafter", check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
+    assert errors and "give --init-from-verifier VERIFIER.pt" in errors[0], result.stderr[-2000:]
