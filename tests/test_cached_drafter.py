@@ -69,7 +69,7 @@ def test_cached_iterations_equal_full_recomputation(pair):
     rows = torch.arange(3)
     k = BLOCK_SIZE
     for iteration in range(6):
-        cached = adapter.position_logprobs(state, tokens[rows], lengths[rows], k)
+        cached = adapter.position_logits(state, tokens[rows], lengths[rows], k).log_softmax(-1)
         for i, row in enumerate(rows.tolist()):
             length = int(lengths[row])
             decoder_input = torch.cat([tokens[row, : length + 1], torch.full((k,), mask)])

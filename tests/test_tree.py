@@ -199,3 +199,23 @@ def test_the_root_always_has_children_even_though_bos_is_eos():
                      lambda t, v, d: logprobs.expand(-1, t.size(1), -1), EOS,
                      torch.Generator().manual_seed(0))  # fmt: skip
     assert tree.valid[:, :2].all()
+
+
+def test_greedy_chain_equals_the_grown_greedy_chain():
+    """The NAR drafters' shortcut for greedy chains gives the tree grow_tree would grow: each
+    position's best token, empty slots after a drafted EOS."""
+    torch.manual_seed(0)
+    logprobs = torch.randn(6, 5, 9).log_softmax(-1)
+    logprobs[0, 1, EOS] = 5.0  # row 0 drafts EOS at depth 2
+    logprobs[1, 4, EOS] = 5.0  # row 1 at the last depth
+    pending = torch.full((6,), 7)
+
+    def expand(level_tokens, _visible, depth):
+        position = logprobs[:, min(depth, 4)]
+        return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
+
+    grown = grow_tree(DraftPlan.chain(5, sample=False), pending, expand, EOS, None, False)
+    shortcut = trees.greedy_chain(logprobs.argmax(-1), EOS)
+    for field in ("tokens", "parents", "depths", "valid"):
+        assert torch.equal(getattr(grown, field), getattr(shortcut, field)), field
+    assert shortcut.valid[0].tolist() == [True, True, False, False, False]

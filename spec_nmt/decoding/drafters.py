@@ -22,6 +22,7 @@ from torch import Tensor
 from spec_nmt.decoding.tree import (
     DraftTree,
     block_visibility,
+    greedy_chain,
     gumbel_top_k,
     stochastic_beam_step,
 )
@@ -156,9 +157,10 @@ class NarDrafter:
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> Dict:
         return self.model.encoder.forward_torchscript(net_input)
 
-    def position_logprobs(self, encoder_out: Dict, tokens: Tensor, lengths: Tensor, k: int):
-        """Log-probs [B, k, V] at the k masks after each row's ``tokens[b, :lengths[b] + 1]``
-        (BOS + verified prefix). ``tokens`` must be at least ``lengths.max() + 1 + k`` wide."""
+    def position_logits(self, encoder_out: Dict, tokens: Tensor, lengths: Tensor, k: int):
+        """Float logits [B, k, V] (PAD excluded) at the k masks after each row's
+        ``tokens[b, :lengths[b] + 1]`` (BOS + verified prefix). ``tokens`` must be at least
+        ``lengths.max() + 1 + k`` wide."""
         width = int(lengths.max()) + 1 + k
         slots = torch.arange(width, device=tokens.device).unsqueeze(0)
         prefix_end = lengths.unsqueeze(1) + 1
@@ -170,13 +172,19 @@ class NarDrafter:
         logits, _ = self.model.decoder(decoder_input, encoder_out)  # at the masks only
         # [MASK] is the drafter's last symbol, appended to the verifier's dictionary: dropping
         # its column leaves distributions over exactly the verifier's vocabulary.
+        return self._over_verifier_vocabulary(logits)
+
+    def _over_verifier_vocabulary(self, logits: Tensor) -> Tensor:
         logits = logits[:, :, : self.mask].float()
         logits[:, :, self.pad] = float("-inf")
-        return torch.log_softmax(logits, dim=-1)
+        return logits
 
-    def propose(self, encoder_out, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
+    def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
         depth = plan.depth
-        logprobs = self.position_logprobs(encoder_out, tokens, lengths, depth)
+        logits = self.position_logits(state, tokens, lengths, depth)
+        if plan.is_chain and not plan.sample:  # each position's best token: no tree to grow
+            return greedy_chain(logits.argmax(dim=-1), self.eos)
+        logprobs = torch.log_softmax(logits, dim=-1)
 
         def expand(level_tokens: Tensor, _visible, level_depth: int) -> Tensor:
             if depth == 0:  # no drafts at all (position limit): no distribution is needed
@@ -212,9 +220,9 @@ class CachedDrafter(NarDrafter):
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict):
         return self.scorer.start(net_input, encoder_out=verifier_encoder_out)
 
-    def position_logprobs(self, state, tokens: Tensor, lengths: Tensor, k: int):
-        """Log-probs [B, k, V] at the k masks after each row's ``tokens[b, :lengths[b] + 1]``;
-        the prefix entries not yet in the cache join it."""
+    def position_logits(self, state, tokens: Tensor, lengths: Tensor, k: int):
+        """Float logits [B, k, V] (PAD excluded) at the k masks after each row's
+        ``tokens[b, :lengths[b] + 1]``; the prefix entries not yet in the cache join it."""
         fed = state.fed_lengths
         n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
         width = int(n_new.max())
@@ -236,9 +244,7 @@ class CachedDrafter(NarDrafter):
         visible |= torch.eye(entries, dtype=torch.bool, device=tokens.device)
         logits = self.scorer.score_logits(state, block, depths, visible, outputs=k)
         self.scorer.commit(state, order.expand_as(new), n_new)
-        logits = logits[:, :, : self.mask]
-        logits[:, :, self.pad] = float("-inf")
-        return torch.log_softmax(logits, dim=-1)
+        return self._over_verifier_vocabulary(logits)
 
     def commit(self, state, keep: Tensor, n_keep: Tensor) -> None:
         """Nothing to do: the accepted tokens join the cache as prefix entries next time."""

@@ -38,6 +38,13 @@ def chain(tokens: Tensor, draft_probs: Optional[Tensor] = None) -> DraftTree:
     return DraftTree(tokens, parents, depths, valid, draft_probs)
 
 
+def greedy_chain(tokens: Tensor, eos: int) -> DraftTree:
+    """The chain of greedy drafts [B, k]; drafts after an EOS are empty slots."""
+    tree = chain(tokens)
+    is_eos = tokens.eq(eos).long()
+    return tree._replace(valid=(is_eos.cumsum(dim=1) - is_eos).eq(0))
+
+
 def block_visibility(parents: Tensor) -> Tensor:
     """Tree attention: [B, N+1, N+1] bool, entry j visible to entry i iff j is i or an ancestor
     of i (the root, entry 0, is everybody's ancestor)."""
