@@ -11,10 +11,11 @@ STAMP := $(VENV)/.installed
 .PHONY: install test translate clean
 
 MODEL_DIR ?= data/models/bench-de-en
-BLOCK_SIZE ?= 10
-BETA ?= 1
-TAU ?= 0
 SPLIT ?= 1
+# BLOCK_SIZE, BETA, TAU: decoding settings, passed on when set (defaults: spec_nmt/decoding/settings.py)
+SETTINGS = $(if $(BLOCK_SIZE),--block-size $(BLOCK_SIZE)) $(if $(BETA),--beta $(BETA)) $(if $(TAU),--tau $(TAU))
+# fairseq-interactive gets the same output length limit as the API (fairseq's own is 0/200)
+LENGTH_FLAGS = from spec_nmt.decoding.settings import DEFAULTS; print(*DEFAULTS.fairseq_flags(['max_len_a', 'max_len_b']))
 
 # spec_nmt_torch_load writes its .pth into site-packages, which lets stock fairseq tools load
 # checkpoints with torch >= 2.6 (an editable install cannot carry that file itself).
@@ -45,11 +46,11 @@ ifdef FAIRSEQ_OUTPUT
 	@if [ -n "$(INPUT)" ]; then cat "$(INPUT)"; elif [ -t 0 ]; then cat data/examples.de; else cat; fi | \
 	PYTHONWARNINGS=ignore $(VENV)/bin/fairseq-interactive $(MODEL_DIR) --user-dir spec_nmt --task spec_translation \
 	  --source-lang de --target-lang en --path $(MODEL_DIR)/verifier.pt \
-	  --drafter-path $(MODEL_DIR)/drafter.pt --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) \
+	  --drafter-path $(MODEL_DIR)/drafter.pt $(SETTINGS) $$($(PY) -c "$(LENGTH_FLAGS)") \
 	  --bpe sentencepiece --sentencepiece-model $(MODEL_DIR)/spm.model --cpu
 else
 	@PYTHONWARNINGS=ignore $(VENV)/bin/spec-nmt-translate '$(MODEL_DIR)' --cpu \
-	  --block-size $(BLOCK_SIZE) --beta $(BETA) --tau $(TAU) $(if $(BATCH_SIZE),--batch-size $(BATCH_SIZE)) \
+	  $(SETTINGS) $(if $(BATCH_SIZE),--batch-size $(BATCH_SIZE)) \
 	  $(if $(filter 0 no false,$(SPLIT)),--no-split-sentences) \
 	  --input $(if $(INPUT),'$(subst ','\'',$(INPUT))',$$([ -t 0 ] && echo data/examples.de || echo -))
 endif

@@ -57,9 +57,11 @@ import spec_nmt  # noqa: F401  (registers the task and model, allows loading fai
 from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.tree import chain
+from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
-MAX_LEN_A, MAX_LEN_B = 1.2, 10  # the same output length limit for every system
+# the same output length limit for every system: the decoding default
+MAX_LEN_A, MAX_LEN_B = DEFAULTS.max_len_a, DEFAULTS.max_len_b
 
 
 def fairseq_generator(pair: SpecTranslator, beam: int) -> SequenceGenerator:
@@ -76,9 +78,7 @@ def fairseq_sampler(pair: SpecTranslator, temperature: float) -> SequenceGenerat
 
 
 def load_pair(args) -> SpecTranslator:
-    return SpecTranslator.from_pretrained(
-        args.model_dir, args.drafter, device="cpu", max_len_a=MAX_LEN_A, max_len_b=MAX_LEN_B
-    )
+    return SpecTranslator.from_pretrained(args.model_dir, args.drafter, device="cpu")
 
 
 def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):

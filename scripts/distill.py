@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from spec_nmt.data_prep import filter_pair_lengths, run_fairseq_preprocess
+from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger("distill")
@@ -36,7 +37,7 @@ def translate_train(data_bin, verifier, args, extra):
         "--max-tokens", str(args.max_tokens), "--required-batch-size-multiple", "1",
         # fairseq-generate shards batches by the distributed rank flags.
         "--distributed-world-size", str(args.num_shards), "--distributed-rank", str(args.shard_id),
-        "--max-len-a", "1.2", "--max-len-b", "10",
+        *DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"]),
     ] + extra
     if args.cpu:
         command.append("--cpu")

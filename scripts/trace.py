@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from spec_nmt.decoding.settings import DEFAULTS, RULES
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.translator import SpecTranslator
 
@@ -152,14 +153,14 @@ def main():
     parser.add_argument("sentences", nargs="+", help="source sentences (raw text)")
     parser.add_argument("--output", "-o", type=Path, default=Path("trace.html"))
     parser.add_argument("--drafter", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
-    parser.add_argument("--block-size", type=int, default=6)
-    parser.add_argument("--beta", type=int, default=1)
-    parser.add_argument("--tau", type=float, default=0.0)
-    parser.add_argument("--verify", default="top_beta", choices=["top_beta", "sampling", "rsd"])
-    parser.add_argument("--tree-branching", default=None)
-    parser.add_argument("--tree-budget", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
+    parser.add_argument("--beta", type=int, default=DEFAULTS.beta)
+    parser.add_argument("--tau", type=float, default=DEFAULTS.tau)
+    parser.add_argument("--verify", default=DEFAULTS.verify, choices=RULES)
+    parser.add_argument("--tree-branching", default=DEFAULTS.tree_branching)
+    parser.add_argument("--tree-budget", type=int, default=DEFAULTS.tree_budget)
+    parser.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
+    parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     args = parser.parse_args()
     settings = {"block_size": args.block_size, "beta": args.beta, "tau": args.tau,
                 "verify": args.verify}  # fmt: skip

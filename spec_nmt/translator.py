@@ -11,15 +11,13 @@ Each input line may hold several sentences: it is split into sentences, which ar
 batches, and their translations are joined into one output line (split_sentences=False sends each
 line as it is). A model directory holds verifier.pt, drafter.pt, dict.{src,tgt}.txt and spm.model
 (scripts/export_model.py writes one). Sentencepiece is applied to the input and removed from the
-output; decoding settings are the task's flags as keyword arguments (block_size, beta, tau,
-verify, tree_branching, tree_budget) plus fairseq's generation settings (max_len_a, max_len_b,
-min_len, temperature, sampling_topk, sampling_topp).
+output; decoding settings are keyword arguments named as in ``DecodingSettings``
+(spec_nmt/decoding/settings.py, which holds their defaults): block_size, beta, tau, verify,
+tree_branching, tree_budget, temperature, sampling_topk, sampling_topp, seed, max_len_a, ...
 """
 
-import dataclasses
 import logging
 import unicodedata
-from argparse import Namespace
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -28,6 +26,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.generator import SpeculativeGenerator
+from spec_nmt.decoding.settings import DEFAULTS, DecodingSettings
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
@@ -37,23 +36,19 @@ from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslati
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 64
-TASK_SETTINGS = ("block_size", "beta", "tau", "verify", "tree_branching", "tree_budget")
-GENERATION_DEFAULTS = {
-    "max_len_a": 1.2, "max_len_b": 10, "min_len": 1, "temperature": 1.0,
-    "sampling_topk": -1, "sampling_topp": -1.0, "lenpen": 1.0, "unkpen": 0.0,
-}  # fmt: skip
 
 
 class SpecTranslator:
     """A verifier, a drafter (Spec-Drafter, cached or autoregressive), their dictionaries and the
     sentencepiece model, loaded once; each call decodes with the settings it is given."""
 
-    def __init__(self, task: SpecTranslationTask, verifier, drafter, spm_model, defaults: Dict):
+    def __init__(self, task: SpecTranslationTask, verifier, drafter, spm_model,
+                 settings: DecodingSettings):  # fmt: skip
         self.task = task
         self.verifier = verifier
         self.drafter = drafter
         self.spm = spm_model
-        self.defaults = defaults
+        self.settings = settings  # every call's defaults
         self.src_dict, self.tgt_dict = task.source_dictionary, task.target_dictionary
         self.max_source_tokens = min(
             task.cfg.max_source_positions,
@@ -83,11 +78,10 @@ class SpecTranslator:
                     f"{path} is missing: a model directory holds verifier.pt, drafter.pt, "
                     "dict.*.txt and spm.model (scripts/export_model.py writes one)"
                 )
-        defaults = dict(GENERATION_DEFAULTS)
-        defaults.update(_split_settings(settings)[1])
+        defaults = DEFAULTS.replace(**settings)
         cfg = SpecTranslationConfig(
             data=str(model_dir), source_lang=source_lang, target_lang=target_lang,
-            drafter_path=str(drafter_path), **_split_settings(settings)[0],
+            drafter_path=str(drafter_path),
         )  # fmt: skip
         task = SpecTranslationTask.setup_task(cfg)
         verifier = _load_verifier(model_dir / "verifier.pt", task)
@@ -103,13 +97,9 @@ class SpecTranslator:
         return next(self.verifier.parameters()).device
 
     # ----- generators -------------------------------------------------------------------------
-    def generator(self, seed: int = 1, **settings) -> SpeculativeGenerator:
-        """A speculative generator for these settings over the loaded models."""
-        task_settings, generation = _split_settings(settings)
-        cfg = dataclasses.replace(self.task.cfg, **task_settings)
-        task = SpecTranslationTask(cfg, self.src_dict, self.tgt_dict)
-        args = Namespace(**{**self.defaults, **generation})
-        return task.speculative_generator(self.verifier, self.drafter, args, seed=seed)
+    def generator(self, **settings) -> SpeculativeGenerator:
+        """A speculative generator over the loaded models, with these settings changed."""
+        return self.task.generator_for(self.verifier, self.drafter, self.settings.replace(**settings))
 
     # ----- text in, text out --------------------------------------------------------------
     def translate(
@@ -132,8 +122,8 @@ class SpecTranslator:
     def sample(
         self,
         lines: Union[str, Sequence[str]],
-        temperature: float = 1.0,
-        seed: int = 1,
+        temperature: float = DEFAULTS.temperature,
+        seed: int = DEFAULTS.seed,
         verify: str = "sampling",
         batch_size: int = DEFAULT_BATCH_SIZE,
         split_sentences: bool = True,
@@ -236,17 +226,6 @@ class SpecTranslator:
                 line_statistics["score"] = score_sum / line_statistics["sentences"]
         outputs = [join_sentences(pieces) for pieces in outputs]
         return outputs[0] if single else outputs
-
-
-def _split_settings(settings: Dict) -> Tuple[Dict, Dict]:
-    """(task settings, generation settings); anything else is a user's typo."""
-    unknown = set(settings) - set(TASK_SETTINGS) - set(GENERATION_DEFAULTS)
-    if unknown:
-        known = ", ".join(TASK_SETTINGS + tuple(GENERATION_DEFAULTS))
-        raise SpecNmtError(f"unknown setting(s) {', '.join(sorted(unknown))}; known: {known}")
-    task = {k: v for k, v in settings.items() if k in TASK_SETTINGS}
-    generation = {k: v for k, v in settings.items() if k in GENERATION_DEFAULTS}
-    return task, generation
 
 
 def _load_verifier(path: Path, task: SpecTranslationTask):

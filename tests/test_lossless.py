@@ -11,8 +11,8 @@ from fairseq import checkpoint_utils
 from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.decoding import tree
-from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.generator import SpeculativeGenerator
+from spec_nmt.decoding.settings import DecodingSettings
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq
@@ -158,8 +158,7 @@ def test_oracle_drafter_gets_whole_blocks_accepted(in_process):
             TransformerVerifier(models[0]),
             OracleDrafter(greedy_padded, tgt_dict.eos()),
             tgt_dict,
-            plan=DraftPlan.chain(BLOCK_SIZE, sample=False),
-            max_len_b=MAX_LEN_B,
+            DecodingSettings(block_size=BLOCK_SIZE, max_len_a=0, max_len_b=MAX_LEN_B),
         )
         result = speculative.generate(models, sample)
         for expected, hypos in zip(greedy, result):

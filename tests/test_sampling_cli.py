@@ -5,11 +5,7 @@ import shutil
 
 import pytest
 
-from spec_nmt.tasks.spec_translation import (
-    DEFAULT_TREE_BRANCHING,
-    SpecTranslationConfig,
-    SpecTranslationTask,
-)
+from spec_nmt.decoding.settings import DEFAULT_TREE_BRANCHING, DecodingSettings
 from tests.conftest import BLOCK_SIZE, OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, preprocess
 from tests.test_errors import assert_one_line_error
 from tests.test_lossless import hypotheses
@@ -46,8 +42,7 @@ def test_rsd_without_tree_flags_draws_the_default_tree(toy):
         *SAMPLING, "--verify", "rsd", "--batch-size", 8, "--required-batch-size-multiple", 1,
     )  # fmt: skip
     assert len(hypotheses(result.stdout)) == 60
-    task_cfg = SpecTranslationConfig(data=str(toy["bin"]), verify="rsd")
-    default = SpecTranslationTask(task_cfg, None, None).draft_plan
+    default = DecodingSettings(verify="rsd").draft_plan
     assert DEFAULT_TREE_BRANCHING == "3,1"  # as measured and documented (BENCHMARKS.md, README)
     assert default.branching == (3, 1) and default.sample
 

@@ -18,7 +18,8 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.decoding import generator as generator_module
 from spec_nmt.decoding import tree as tree_module
-from spec_nmt.decoding.drafters import ArDrafter, DraftPlan, NarDrafter
+from spec_nmt.decoding.drafters import ArDrafter, NarDrafter
+from spec_nmt.decoding.settings import DecodingSettings
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.decoding.verify import sampling_probs
@@ -30,10 +31,10 @@ SAMPLES = 20000
 BATCH = 5000
 TEMPERATURE = 0.8
 SOURCE = [4, 5, 6, 7, 8]
-PLANS = {
-    "sampling": DraftPlan.chain(3, sample=True),
-    "rsd-c": DraftPlan(branching=(2, 2, 1), sample=True),
-    "rsd-s": DraftPlan(beam_width=2, beam_depth=3, sample=True),
+RULE_SETTINGS = {
+    "sampling": {"verify": "sampling", "block_size": 3},
+    "rsd-c": {"verify": "rsd", "tree_branching": "2,2,1"},
+    "rsd-s": {"verify": "rsd", "block_size": 3, "tree_budget": 6},  # 2 beams, 3 levels
 }
 
 
@@ -115,13 +116,12 @@ def first_two_counts(generate, dictionary):
 
 
 def speculative(models, drafter, rule, seed=0, topk=-1):
-    verify = "sampling" if rule == "sampling" else "rsd"
-    generator = SpeculativeGenerator(
+    settings = DecodingSettings(**RULE_SETTINGS[rule], temperature=TEMPERATURE,
+                                sampling_topk=topk, seed=seed, max_len_a=0, max_len_b=2)  # fmt: skip
+    return SpeculativeGenerator(
         TransformerVerifier(models["verifier"], temperature=TEMPERATURE), models[drafter],
-        models["dictionary"], plan=PLANS[rule], verify=verify, sampling_topk=topk, seed=seed,
-        max_len_b=2,
+        models["dictionary"], settings,
     )  # fmt: skip
-    return generator
 
 
 @pytest.mark.parametrize("drafter", ["nar", "ar"])

@@ -28,7 +28,7 @@ def translator():
 def stock_greedy(translator, lines):
     generator = SequenceGenerator(
         [translator.verifier], translator.tgt_dict, beam_size=1,
-        max_len_a=translator.defaults["max_len_a"], max_len_b=translator.defaults["max_len_b"],
+        max_len_a=translator.settings.max_len_a, max_len_b=translator.settings.max_len_b,
     )  # fmt: skip
     outputs = [None] * len(lines)
     with torch.inference_mode():

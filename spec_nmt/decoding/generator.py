@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.drafters import DraftPlan
+from spec_nmt.decoding.settings import DecodingSettings
 from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility, recursive_rejection
 from spec_nmt.decoding.verify import accept_top_beta, sampling_probs, speculative_sample
 from spec_nmt.errors import SpecNmtError
@@ -58,57 +58,31 @@ class SpeculativeGenerator:
     from the verifier) and length limits, except that each sentence's limit comes from its own
     source length rather than the batch's padded width (see ``_max_lengths``).
 
-    ``verify`` picks the rule: ``top_beta`` (greedy drafts, ``beta``/``tau``), ``sampling``
-    (speculative sampling over a sampled chain) or ``rsd`` (recursive rejection sampling over a
-    draft tree); ``plan`` gives the drafts' shape. Sampling uses its own ``torch.Generator``
-    seeded with ``seed``, so equal seeds give equal outputs.
+    ``settings`` (settings.py) pick the rule (``top_beta``: greedy drafts judged by ``beta`` and
+    ``tau``; ``sampling``: speculative sampling over a sampled chain; ``rsd``: recursive rejection
+    sampling over a draft tree), the drafts' shape and fairseq's generation settings. The
+    verifier adapter must apply the same temperature. Sampling uses its own ``torch.Generator``
+    seeded with the settings' seed, so equal seeds give equal outputs.
     """
 
-    def __init__(
-        self,
-        verifier,
-        drafter,
-        tgt_dict,
-        plan: DraftPlan,
-        verify: str = "top_beta",
-        beta: int = 1,
-        tau: float = 0.0,
-        sampling_topk: int = -1,
-        sampling_topp: float = -1.0,
-        seed: int = 1,
-        max_len_a: float = 0,
-        max_len_b: int = 200,
-        max_len: int = 0,
-        min_len: int = 1,
-        normalize_scores: bool = True,
-        len_penalty: float = 1.0,
-        unk_penalty: float = 0.0,
-    ):
-        if verify not in ("top_beta", "sampling", "rsd"):
-            raise SpecNmtError(f"unknown verification rule {verify!r}")
-        if (verify == "top_beta") == plan.sample or (verify != "rsd" and not plan.is_chain):
-            raise ValueError(f"draft plan {plan} does not fit rule {verify}")
+    def __init__(self, verifier, drafter, tgt_dict, settings: DecodingSettings, max_len: int = 0):
+        if verifier.temperature != settings.temperature:
+            raise ValueError("the verifier adapter's temperature differs from the settings'")
         self.verifier = verifier
         self.drafter = drafter
-        self.plan = plan
-        self.verify = verify
-        self.beta, self.tau = beta, tau
-        self.sampling_topk, self.sampling_topp = sampling_topk, sampling_topp
-        self.seed = seed
+        self.settings = settings
+        self.plan = settings.draft_plan
+        self.verify = settings.verify
         self._rng: Optional[torch.Generator] = None
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
-        self.max_len_a, self.max_len_b, self.min_len = max_len_a, max_len_b, min_len
         self.max_len = max_len or verifier.max_positions()
-        self.normalize_scores = normalize_scores
-        self.len_penalty = len_penalty
-        self.unk_penalty = unk_penalty
         self.stats = DecodingStats()
 
     def rng(self, device: torch.device) -> torch.Generator:
         """The sampling generator: one per decoder, seeded once, so a run is reproducible."""
         if self._rng is None or self._rng.device != device:
-            self._rng = torch.Generator(device=device).manual_seed(self.seed)
+            self._rng = torch.Generator(device=device).manual_seed(self.settings.seed)
         return self._rng
 
     @torch.no_grad()
@@ -132,7 +106,7 @@ class SpeculativeGenerator:
         if src_lengths is None:
             src_lengths = src_tokens.ne(self.pad).sum(dim=1)
         max_lens = self._max_lengths(src_lengths)
-        if self.min_len > int(max_lens.min()):
+        if self.settings.min_len > int(max_lens.min()):
             raise SpecNmtError("--min-len cannot be larger than the maximum output length")
         rng = self.rng(src_tokens.device)
 
@@ -227,18 +201,19 @@ class SpeculativeGenerator:
     def _accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator):
         """(path [B, depth] of accepted node indices padded with -1, n_accepted [B],
         next token [B]) under the configured rule, from the block's constrained logits."""
+        settings = self.settings
         if self.verify == "rsd":
-            probs = sampling_probs(logits, self.sampling_topk, self.sampling_topp)
+            probs = sampling_probs(logits, settings.sampling_topk, settings.sampling_topp)
             return recursive_rejection(tree, probs, self.eos, rng)
         if self.verify == "sampling":
-            probs = sampling_probs(logits, self.sampling_topk, self.sampling_topp)
+            probs = sampling_probs(logits, settings.sampling_topk, settings.sampling_topp)
             k = tree.tokens.size(1)
             n_accepted, next_tokens = speculative_sample(
                 tree.tokens, tree.draft_probs[:, :k], probs, self.eos, rng
             )
         else:
             n_accepted, next_tokens = accept_top_beta(
-                tree.tokens, logits, self.beta, self.tau, self.eos
+                tree.tokens, logits, settings.beta, settings.tau, self.eos
             )
         chain = torch.arange(tree.tokens.size(1), device=logits.device).expand_as(tree.tokens)
         path = torch.where(chain < n_accepted.unsqueeze(1), chain, torch.full_like(chain, -1))
@@ -249,7 +224,7 @@ class SpeculativeGenerator:
         """What one iteration did for each unfinished row, as plain Python data: the verified
         prefix, the draft tree, the verifier's best candidates at every block entry (its beta
         best, at least 3) with log-probs, the accepted path and the correction/bonus token."""
-        n_best = min(max(self.beta, 3), logits.size(2))
+        n_best = min(max(self.settings.beta, 3), logits.size(2))
         best_logits, best_tokens = logits.topk(n_best, dim=2)
         best_logprobs = best_logits - normalizer.unsqueeze(2)
         records = []
@@ -284,10 +259,8 @@ class SpeculativeGenerator:
         SequenceGenerator's arithmetic. SequenceGenerator takes the padded width of the batch
         instead; a per-sentence limit keeps a translation independent of what else is in its
         batch (the same as SequenceGenerator's for a sentence decoded alone)."""
-        limits = [
-            min(int(self.max_len_a * length + self.max_len_b), self.max_len - 1)
-            for length in src_lengths.tolist()
-        ]
+        a, b = self.settings.max_len_a, self.settings.max_len_b
+        limits = [min(int(a * length + b), self.max_len - 1) for length in src_lengths.tolist()]
         return torch.tensor(limits, device=src_lengths.device)
 
     def _constrain(
@@ -305,23 +278,23 @@ class SpeculativeGenerator:
             logits[broken] = float("-inf")
             normalizer = normalizer.masked_fill(broken, 0.0)
         logits[:, :, self.pad] = float("-inf")
-        if self.unk_penalty:
-            logits[:, :, self.unk] -= self.unk_penalty
+        if self.settings.unkpen:
+            logits[:, :, self.unk] -= self.settings.unkpen
         steps = lengths.unsqueeze(1) + depths
         force_eos = steps.ge(max_lens.unsqueeze(1))
         if force_eos.any():
             eos_logits = logits[:, :, self.eos].clone()
             logits.masked_fill_(force_eos.unsqueeze(2), float("-inf"))
             logits[:, :, self.eos] = eos_logits
-        logits[:, :, self.eos].masked_fill_(steps.lt(self.min_len), float("-inf"))
+        logits[:, :, self.eos].masked_fill_(steps.lt(self.settings.min_len), float("-inf"))
         return normalizer
 
     def _hypothesis(self, row_tokens: Tensor, row_scores: Tensor, length) -> Dict:
         length = int(length)
         positional_scores = row_scores[:length].clone()
         score = positional_scores.sum()
-        if self.normalize_scores:
-            score = score / length**self.len_penalty
+        if not self.settings.unnormalized:
+            score = score / length**self.settings.lenpen
         return {
             "tokens": row_tokens[1 : length + 1].clone(),
             "score": score,

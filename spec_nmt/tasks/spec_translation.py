@@ -24,24 +24,28 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from spec_nmt.decoding.drafters import ArDrafter, CachedDrafter, DraftPlan, NarDrafter
+from spec_nmt.decoding.drafters import ArDrafter, CachedDrafter, NarDrafter
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
-from spec_nmt.decoding.verify import check_sampling_params, check_top_beta_params
+from spec_nmt.decoding.settings import (
+    DEFAULT_TREE_BRANCHING,
+    DEFAULTS,
+    RULES,
+    DecodingSettings,
+)
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import CachedDrafterModel
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel
 
 logger = logging.getLogger(__name__)
 
-VERIFY_CHOICES = ChoiceEnum(["top_beta", "sampling", "rsd"])
-DEFAULT_TREE_BRANCHING = "3,1"
+VERIFY_CHOICES = ChoiceEnum(list(RULES))
 
 
 @dataclass
 class SpecTranslationConfig(TranslationConfig):
     block_size: int = field(
-        default=25,
+        default=DEFAULTS.block_size,
         metadata={
             "help": "k: [MASK] positions the drafter fills per iteration, in training and decoding"
         },
@@ -61,18 +65,18 @@ class SpecTranslationConfig(TranslationConfig):
         },
     )
     beta: int = field(
-        default=1,
+        default=DEFAULTS.beta,
         metadata={"help": "top-beta rule: a drafted token must be among the verifier's beta best"},
     )
     tau: float = field(
-        default=0.0,
+        default=DEFAULTS.tau,
         metadata={
             "help": "top-beta rule: a drafted token's log-prob must be within tau of the "
             "verifier's best (--beta 1 --tau 0 is lossless: exactly the verifier's greedy output)"
         },
     )
     verify: VERIFY_CHOICES = field(
-        default="top_beta",
+        default=DEFAULTS.verify,
         metadata={
             "help": "verification rule: top_beta (greedy drafts, --beta/--tau), sampling "
             "(speculative sampling of a drafted chain) or rsd (recursive rejection sampling "
@@ -81,7 +85,7 @@ class SpecTranslationConfig(TranslationConfig):
         },
     )
     tree_branching: Optional[str] = field(
-        default=None,
+        default=DEFAULTS.tree_branching,
         metadata={
             "help": "--verify rsd, RSD-C: comma-separated children per node at each depth "
             "(e.g. 3,2,2,1: the tree is as deep as the list is long), drawn without "
@@ -91,7 +95,7 @@ class SpecTranslationConfig(TranslationConfig):
         },
     )
     tree_budget: int = field(
-        default=0,
+        default=DEFAULTS.tree_budget,
         metadata={
             "help": "--verify rsd, RSD-S: tree nodes per iteration; stochastic beam search with "
             "width tree-budget // block-size over block-size levels"
@@ -104,12 +108,10 @@ class SpecTranslationTask(TranslationTask):
     cfg: SpecTranslationConfig
 
     def __init__(self, cfg: SpecTranslationConfig, src_dict, tgt_dict):
-        if cfg.block_size < 1:
-            raise SpecNmtError(f"--block-size must be >= 1, got {cfg.block_size}")
         if cfg.cuts_per_sentence < 1:
             raise SpecNmtError(f"--cuts-per-sentence must be >= 1, got {cfg.cuts_per_sentence}")
-        check_top_beta_params(cfg.beta, cfg.tau)
-        self.draft_plan = _draft_plan(cfg)
+        # the rule's flags, checked now (fairseq's generation flags join them in build_generator)
+        DecodingSettings.from_fairseq(cfg, None, DEFAULTS.seed)
         super().__init__(cfg, src_dict, tgt_dict)
         self._drafter_dicts = None
         self._source_token_limit = None
@@ -212,32 +214,18 @@ class SpecTranslationTask(TranslationTask):
     def speculative_generator(self, verifier_model, drafter, args, seed: int):
         """The speculative generator for this task's rule and draft shape, with fairseq's
         generation settings ``args`` (length limits, penalties, temperature, top-k/top-p)."""
-        temperature = getattr(args, "temperature", 1.0)
-        topk, topp = getattr(args, "sampling_topk", -1), getattr(args, "sampling_topp", -1.0)
-        check_sampling_params(temperature, topk, topp)
+        settings = DecodingSettings.from_fairseq(self.cfg, args, seed)
+        return self.generator_for(verifier_model, drafter, settings)
+
+    def generator_for(self, verifier_model, drafter, settings: DecodingSettings):
+        """The speculative generator for ``settings`` over these models."""
         self._source_token_limit = min(
             self.cfg.max_source_positions,
             verifier_model.encoder.max_positions(),
             drafter.max_source_positions(),
         )
-        return SpeculativeGenerator(
-            TransformerVerifier(verifier_model, temperature=temperature),
-            drafter,
-            self.target_dictionary,
-            plan=self.draft_plan,
-            verify=self.cfg.verify,
-            beta=self.cfg.beta,
-            tau=self.cfg.tau,
-            sampling_topk=topk,
-            sampling_topp=topp,
-            seed=seed,
-            max_len_a=getattr(args, "max_len_a", 0),
-            max_len_b=getattr(args, "max_len_b", 200),
-            min_len=getattr(args, "min_len", 1),
-            normalize_scores=not getattr(args, "unnormalized", False),
-            len_penalty=getattr(args, "lenpen", 1),
-            unk_penalty=getattr(args, "unkpen", 0),
-        )
+        verifier = TransformerVerifier(verifier_model, temperature=settings.temperature)
+        return SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings)
 
     def load_drafter(self, path: str, verifier_model):
         """Load a drafter checkpoint onto the verifier's device and dtype: a Spec-Drafter, or a
@@ -339,38 +327,6 @@ def _checkpoint_arch(state) -> Optional[str]:
 
 def _beam_given_on_command_line() -> bool:
     return any(arg == "--beam" or arg.startswith("--beam=") for arg in sys.argv[1:])
-
-
-def _draft_plan(cfg: SpecTranslationConfig) -> DraftPlan:
-    """The drafts' shape from the flags; one-line errors for combinations that make no sense."""
-    if cfg.verify != "rsd":
-        if cfg.tree_branching or cfg.tree_budget:
-            raise SpecNmtError("--tree-branching and --tree-budget need --verify rsd")
-        return DraftPlan.chain(cfg.block_size, sample=cfg.verify == "sampling")
-    if cfg.tree_branching and cfg.tree_budget:
-        raise SpecNmtError(
-            "--verify rsd takes one of --tree-branching (RSD-C, e.g. 3,2,2,1) and "
-            "--tree-budget (RSD-S, nodes per iteration), not both"
-        )
-    if not cfg.tree_budget:
-        shape = cfg.tree_branching or DEFAULT_TREE_BRANCHING
-        try:
-            branching = tuple(int(part) for part in shape.split(","))
-        except ValueError:
-            branching = ()
-        if not branching or min(branching) < 1:
-            raise SpecNmtError(
-                "--tree-branching must be comma-separated positive integers (children per "
-                f"node at each depth, e.g. 3,2,2,1), got {cfg.tree_branching!r}"
-            )
-        return DraftPlan(branching=branching, sample=True)
-    width = cfg.tree_budget // cfg.block_size
-    if width < 1:
-        raise SpecNmtError(
-            f"--tree-budget {cfg.tree_budget} is smaller than --block-size {cfg.block_size}: "
-            "RSD-S needs at least one node per level"
-        )
-    return DraftPlan(beam_width=width, beam_depth=cfg.block_size, sample=True)
 
 
 def _check_generation_args(args, n_models: int, verify: str) -> None:

@@ -1,0 +1,121 @@
+"""Every setting of speculative decoding in one frozen dataclass, with the one set of defaults
+that the task's flags, the Python API, ``spec-nmt-translate``, ``make translate``, the benchmark,
+the trace and distillation share. Checking a setting and turning the rule's flags into a draft
+shape happen here, once.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional
+
+from spec_nmt.decoding.drafters import DraftPlan
+from spec_nmt.decoding.verify import check_sampling_params, check_top_beta_params
+from spec_nmt.errors import SpecNmtError
+
+RULES = ("top_beta", "sampling", "rsd")
+# The most tokens per verifier call of the 6-node trees on newstest2013 (BENCHMARKS.md).
+DEFAULT_TREE_BRANCHING = "3,1"
+
+
+@dataclass(frozen=True)
+class DecodingSettings:
+    """What a speculative generator needs to know besides its models."""
+
+    # the rule and the drafts
+    verify: str = "top_beta"  # top_beta | sampling | rsd
+    block_size: int = 10  # k: drafted tokens per iteration (tree depth for rsd)
+    beta: int = 1  # top-beta: a draft must be among the verifier's beta best ...
+    tau: float = 0.0  # ... and within tau of the best log-prob (1 / 0: lossless)
+    tree_branching: Optional[str] = None  # rsd, RSD-C: children per node at each depth
+    tree_budget: int = 0  # rsd, RSD-S: nodes per iteration (stochastic beam search)
+    # sampling (rules sampling and rsd)
+    temperature: float = 1.0
+    sampling_topk: int = -1
+    sampling_topp: float = -1.0
+    seed: int = 1
+    # output length and scores, in fairseq's generation terms
+    max_len_a: float = 1.2  # an output may have max_len_a * source length + max_len_b tokens
+    max_len_b: int = 10
+    min_len: int = 1
+    lenpen: float = 1.0
+    unkpen: float = 0.0
+    unnormalized: bool = False
+
+    def __post_init__(self):
+        if self.verify not in RULES:
+            raise SpecNmtError(f"--verify must be one of {', '.join(RULES)}, got {self.verify!r}")
+        if int(self.block_size) != self.block_size or self.block_size < 1:
+            raise SpecNmtError(f"--block-size must be an integer >= 1, got {self.block_size}")
+        check_top_beta_params(self.beta, self.tau)
+        check_sampling_params(self.temperature, self.sampling_topk, self.sampling_topp)
+        self.draft_plan  # noqa: B018  (refuses tree flags that make no shape)
+
+    @property
+    def draft_plan(self) -> DraftPlan:
+        """The drafts' shape; one-line errors for combinations that make no sense."""
+        if self.verify != "rsd":
+            if self.tree_branching or self.tree_budget:
+                raise SpecNmtError("--tree-branching and --tree-budget need --verify rsd")
+            return DraftPlan.chain(self.block_size, sample=self.verify == "sampling")
+        if self.tree_branching and self.tree_budget:
+            raise SpecNmtError(
+                "--verify rsd takes one of --tree-branching (RSD-C, e.g. 3,2,2,1) and "
+                "--tree-budget (RSD-S, nodes per iteration), not both"
+            )
+        if not self.tree_budget:
+            shape = self.tree_branching or DEFAULT_TREE_BRANCHING
+            try:
+                branching = tuple(int(part) for part in shape.split(","))
+            except ValueError:
+                branching = ()
+            if not branching or min(branching) < 1:
+                raise SpecNmtError(
+                    "--tree-branching must be comma-separated positive integers (children per "
+                    f"node at each depth, e.g. 3,2,2,1), got {self.tree_branching!r}"
+                )
+            return DraftPlan(branching=branching, sample=True)
+        width = self.tree_budget // self.block_size
+        if width < 1:
+            raise SpecNmtError(
+                f"--tree-budget {self.tree_budget} is smaller than --block-size {self.block_size}: "
+                "RSD-S needs at least one node per level"
+            )
+        return DraftPlan(beam_width=width, beam_depth=self.block_size, sample=True)
+
+    def replace(self, **changes) -> "DecodingSettings":
+        """A copy with ``changes``; an unknown name is a one-line error listing the known ones."""
+        unknown = set(changes) - set(names())
+        if unknown:
+            raise SpecNmtError(
+                f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(names())}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_fairseq(cls, cfg, args, seed: int) -> "DecodingSettings":
+        """The settings of a fairseq run: the rule's flags from the task config ``cfg``, the
+        generation flags from fairseq's ``args`` (its own defaults where it has them)."""
+        rule = {name: getattr(cfg, name) for name in RULE_SETTINGS}
+        generation = {name: getattr(args, name) for name in GENERATION_SETTINGS if hasattr(args, name)}
+        return cls(**rule, **generation, seed=seed)
+
+    def fairseq_flags(self, names_: Optional[List[str]] = None) -> List[str]:
+        """These settings as fairseq command-line flags (all generation ones by default)."""
+        flags = []
+        for name in names_ or GENERATION_SETTINGS:
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                flags += [f"--{name.replace('_', '-')}"] if value else []
+            else:
+                flags += [f"--{name.replace('_', '-')}", str(value)]
+        return flags
+
+
+def names() -> List[str]:
+    return [field.name for field in dataclasses.fields(DecodingSettings)]
+
+
+DEFAULTS = DecodingSettings()
+# the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
+RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget")
+GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))
