@@ -288,21 +288,22 @@ class OracleDrafter:
     def start(self, net_input, verifier_encoder_out):
         sources = net_input["src_tokens"]
         outputs = [self.continuations[tuple(row[row.ne(self.pad)].tolist())] for row in sources]
-        state = sources.new_full((len(outputs), max(map(len, outputs)) + 1), self.eos)
+        known = sources.new_full((len(outputs), max(map(len, outputs)) + 1), self.eos)
         for row, output in enumerate(outputs):
-            state[row, : len(output)] = output
-        return state
+            known[row, : len(output)] = output
+        return {"outputs": known}
 
     def propose(self, state, tokens, lengths, plan, generator):
         # tokens[b, 1 : lengths[b] + 1] are the first lengths[b] output tokens: draft the next k
+        known = state["outputs"]
         index = lengths.unsqueeze(1) + torch.arange(plan.depth, device=lengths.device)
-        return chain(state.gather(1, index.clamp(max=state.size(1) - 1)))
+        return chain(known.gather(1, index.clamp(max=known.size(1) - 1)))
 
     def commit(self, state, keep, n_keep):
         """Nothing to keep: the drafts come from the known translation."""
 
     def select_rows(self, state, rows):
-        return state.index_select(0, rows)
+        state["outputs"] = state["outputs"].index_select(0, rows)
 
 
 class PhaseTimer:

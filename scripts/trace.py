@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from spec_nmt.decoding.settings import DEFAULTS, RULES
+from spec_nmt.decoding.rules import RULES
+from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.translator import SpecTranslator
 
@@ -46,13 +47,13 @@ def token_box(text, css):
 
 
 def iteration_html(number, record, symbol, block_depth, eos):
-    prefix = [symbol(t) for t in record["prefix"]]
+    prefix = [symbol(t) for t in record.prefix]
     input_boxes = [token_box(p, "prefix") for p in prefix[:-1]]
     input_boxes.append(token_box(prefix[-1] if prefix else "<s>", "pending"))
     input_boxes += [token_box("[MASK]", "mask")] * block_depth
 
-    tokens, parents = record["draft_tokens"], record["draft_parents"]
-    accepted = record["accepted_path"]
+    tokens, parents = record.draft_tokens, record.draft_parents
+    accepted = record.accepted_path
     on_path = set(accepted)
     # the entry whose children were tried last: the root, or the last accepted node
     tried_parent = accepted[-1] if accepted else -1
@@ -83,18 +84,18 @@ def iteration_html(number, record, symbol, block_depth, eos):
             f'<span class="candidate{" best" if rank == 0 else ""}">'
             f"{html.escape(symbol(token))} {logprob:.2f}</span>"
             for rank, (token, logprob) in enumerate(
-                zip(record["candidates"][entry], record["candidate_logprobs"][entry])
+                zip(record.candidates[entry], record.candidate_logprobs[entry])
             )
         ]
         candidate_columns.append(f'<span class="column">{"".join(lines)}</span>')
 
     emitted = [token_box(symbol(tokens[node]), "accepted") for node in accepted]
-    if not record["ended_by_accepted_eos"]:
-        emitted.append(token_box(symbol(record["next_token"]), record["next_kind"]))
+    if not record.ended_by_accepted_eos:
+        emitted.append(token_box(symbol(record.next_token), record.next_kind))
     new_prefix = prefix + [symbol(tokens[node]) for node in accepted]
     next_boxes = [token_box(p, "prefix") for p in new_prefix]
-    if not record["ended_by_accepted_eos"] and record["next_token"] != eos:
-        next_boxes.append(token_box(symbol(record["next_token"]), "pending"))
+    if not record.ended_by_accepted_eos and record.next_token != eos:
+        next_boxes.append(token_box(symbol(record.next_token), "pending"))
         next_boxes += [token_box("[MASK]", "mask")] * block_depth
     rows = [
         ("input", "".join(input_boxes)),
@@ -156,7 +157,7 @@ def main():
     parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
     parser.add_argument("--beta", type=int, default=DEFAULTS.beta)
     parser.add_argument("--tau", type=float, default=DEFAULTS.tau)
-    parser.add_argument("--verify", default=DEFAULTS.verify, choices=RULES)
+    parser.add_argument("--verify", default=DEFAULTS.verify, choices=list(RULES))
     parser.add_argument("--tree-branching", default=DEFAULTS.tree_branching)
     parser.add_argument("--tree-budget", type=int, default=DEFAULTS.tree_budget)
     parser.add_argument("--temperature", type=float, default=DEFAULTS.temperature)

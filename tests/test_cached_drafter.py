@@ -87,7 +87,7 @@ def test_cached_iterations_equal_full_recomputation(pair):
             lengths[row] += n
         if iteration == 2:
             rows = torch.tensor([0, 2])
-            state = adapter.select_rows(state, torch.tensor([0, 2]))
+            adapter.select_rows(state, torch.tensor([0, 2]))
 
 
 def test_training_without_the_verifier_is_refused_in_one_line(toy, tmp_path):

@@ -111,9 +111,10 @@ class OracleDrafter:
         return 1024
 
     def start(self, net_input, verifier_encoder_out):
-        return torch.arange(self.greedy.size(0))
+        return {"rows": torch.arange(self.greedy.size(0))}  # original row of each state row
 
-    def propose(self, rows, tokens, lengths, plan, generator):
+    def propose(self, state, tokens, lengths, plan, generator):
+        rows = state["rows"]
         k = plan.depth
         padded = torch.cat(
             [self.greedy, self.greedy.new_full((self.greedy.size(0), k), self.eos)], 1
@@ -121,11 +122,11 @@ class OracleDrafter:
         index = lengths.unsqueeze(1) + torch.arange(k)
         return tree.chain(padded[rows].gather(1, index))
 
-    def commit(self, rows, keep, n_keep):
+    def commit(self, state, keep, n_keep):
         pass
 
-    def select_rows(self, rows, keep):
-        return rows[keep]
+    def select_rows(self, state, keep):
+        state["rows"] = state["rows"][keep]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from fairseq.models.transformer import TransformerModel, base_architecture
 from fairseq.search import Sampling
 from fairseq.sequence_generator import SequenceGenerator
 
-from spec_nmt.decoding import generator as generator_module
+from spec_nmt.decoding import rules as rules_module
 from spec_nmt.decoding import tree as tree_module
 from spec_nmt.decoding.drafters import ArDrafter, NarDrafter
 from spec_nmt.decoding.settings import DecodingSettings
@@ -183,7 +183,7 @@ def keep_first_child(tree, verifier_probs, eos, generator=None):
 @pytest.mark.parametrize("rule,broken", [("sampling", always_accept), ("rsd-c", keep_first_child)])
 def test_a_broken_rule_fails_the_same_test(models, monkeypatch, rule, broken):
     name = "speculative_sample" if rule == "sampling" else "recursive_rejection"
-    monkeypatch.setattr(generator_module, name, broken)
+    monkeypatch.setattr(rules_module, name, broken)
     generator = speculative(models, "ar", rule)
     counts = first_two_counts(lambda s: generator.generate(None, s), models["dictionary"])
     assert chi_square_pvalue(counts, exact_joint(models).flatten()) < 1e-3

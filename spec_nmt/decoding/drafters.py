@@ -1,20 +1,18 @@
 """Drafters: turn a drafter model into draft trees for the decoding loop (a chain of k drafts is
-a tree too, see tree.py).
-
-Two kinds, with the same verbs: ``start`` (encode the batch once), ``propose`` (a draft tree per
-row after its verified prefix), ``commit`` (keep what the verifier accepted) and ``select_rows``
-(finished sentences leave).
+a tree too, see tree.py). Every drafter keeps the ``Drafter`` contract below.
 
 * ``NarDrafter``: the non-autoregressive Spec-Drafter. One decoder pass over
   ``BOS + prefix + k [MASK]`` gives a distribution per block position; the node at depth d draws
   its children from position d+1's distribution, whatever its ancestors are.
+* ``CachedDrafter``: the cached drafter, NAR on the verifier's encoder output with a cached
+  causal prefix.
 * ``ArDrafter``: an ordinary fairseq Transformer. Drafting feeds one tree level per step on its
   own KV cache (tree attention, like the verifier's), so every node's children are drawn from the
   distribution after its own path.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -59,6 +57,33 @@ class DraftPlan:
             return DraftPlan(beam_width=self.beam_width, beam_depth=min(depth, self.beam_depth),
                              sample=self.sample)  # fmt: skip
         return DraftPlan(branching=self.branching[:depth], sample=self.sample)
+
+
+class Drafter(Protocol):
+    """What the decoding loop asks of a drafter. A state is the drafter's own per-batch object;
+    every method that changes it changes it in place (as the verifier's ``select_rows`` and
+    ``commit`` do)."""
+
+    def max_positions(self) -> int:
+        """Decoder positions the drafter can draft at."""
+
+    def max_source_positions(self) -> int:
+        """Source tokens it accepts."""
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> Any:
+        """The state for a batch (``verifier_encoder_out``: the verifier's encoder output)."""
+
+    def propose(self, state, tokens: Tensor, lengths: Tensor, plan: DraftPlan,
+                generator: Optional[torch.Generator]) -> DraftTree:  # fmt: skip
+        """A draft tree per row after its verified prefix ``tokens[b, 1 : lengths[b] + 1]``
+        (``tokens[b, 0]`` is BOS; ``tokens[b, lengths[b]]`` the pending token)."""
+
+    def commit(self, state, keep: Tensor, n_keep: Tensor) -> None:
+        """Row b's verified prefix grew by the block entries ``keep[b, :n_keep[b]]`` (the
+        pending token and the accepted path, in the verifier's scoring order)."""
+
+    def select_rows(self, state, rows: Tensor) -> None:
+        """Keep only ``rows`` of the batch."""
 
 
 # expand(level tokens [B, n], their visibility over uncommitted entries [B, n, U+n], their depth)
@@ -198,8 +223,8 @@ class NarDrafter:
     def commit(self, encoder_out, keep: Tensor, n_keep: Tensor) -> None:
         """Nothing to keep: the next pass reads the whole verified prefix again."""
 
-    def select_rows(self, encoder_out: Dict, rows: Tensor) -> Dict:
-        return self.model.encoder.reorder_encoder_out(encoder_out, rows)
+    def select_rows(self, encoder_out: Dict, rows: Tensor) -> None:
+        encoder_out.update(self.model.encoder.reorder_encoder_out(encoder_out, rows))
 
 
 class CachedDrafter(NarDrafter):
@@ -249,9 +274,8 @@ class CachedDrafter(NarDrafter):
     def commit(self, state, keep: Tensor, n_keep: Tensor) -> None:
         """Nothing to do: the accepted tokens join the cache as prefix entries next time."""
 
-    def select_rows(self, state, rows: Tensor):
+    def select_rows(self, state, rows: Tensor) -> None:
         self.scorer.select_rows(state, rows)
-        return state
 
 
 class ArDrafter:
@@ -287,6 +311,5 @@ class ArDrafter:
     def commit(self, state, keep: Tensor, n_keep: Tensor) -> None:
         self.scorer.commit(state, keep, n_keep)
 
-    def select_rows(self, state, rows: Tensor):
+    def select_rows(self, state, rows: Tensor) -> None:
         self.scorer.select_rows(state, rows)
-        return state

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from spec_nmt.decoding.settings import DecodingSettings
-from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility, recursive_rejection
-from spec_nmt.decoding.verify import accept_top_beta, sampling_probs, speculative_sample
+from spec_nmt.decoding.rules import RULES
+from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility
 from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,22 @@ class DecodingStats:
             f"{self.output_tokens} output tokens, "
             f"mean accepted tokens per iteration {self.mean_accepted_per_iteration:.2f}"
         )
+
+
+@dataclass
+class IterationRecord:
+    """What one iteration did for one sentence (``generate(..., trace=[])``), as plain data."""
+
+    sentence: int  # row of the batch
+    prefix: List[int]  # verified output tokens before the iteration
+    draft_tokens: List[int]  # the draft tree's nodes ...
+    draft_parents: List[int]  # ... and each node's parent (-1: the root)
+    candidates: List[List[int]]  # per block entry: the verifier's best tokens (beta, at least 3)
+    candidate_logprobs: List[List[float]]
+    accepted_path: List[int]  # accepted nodes, root to leaf
+    next_token: int  # the verifier's token after them
+    next_kind: str  # "correction" (after a rejection) or "bonus" (after a leaf)
+    ended_by_accepted_eos: bool
 
 
 class SpeculativeGenerator:
@@ -95,8 +111,8 @@ class SpeculativeGenerator:
         trace: Optional[List[Dict]] = None,
         **unused,
     ):
-        """fairseq's hypotheses per sentence. With a ``trace`` list, one record per sentence and
-        iteration is appended to it (see ``_trace_records``)."""
+        """fairseq's hypotheses per sentence. With a ``trace`` list, one ``IterationRecord`` per
+        sentence and iteration is appended to it."""
         if prefix_tokens is not None or constraints is not None:
             raise SpecNmtError("speculative decoding does not support prefix tokens or constraints")
         net_input = sample["net_input"]
@@ -131,7 +147,7 @@ class SpeculativeGenerator:
             finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
         rows = has_source.nonzero().squeeze(1)  # original batch index of each state row
         if rows.numel() < bsz:
-            drafter_state = self._select(verifier_state, drafter_state, rows)
+            self._select(verifier_state, drafter_state, rows)
         # Finished rows stay in the states (their results are ignored) until a quarter of them
         # has finished: copying every cache out for each finished sentence costs more.
         live = torch.ones_like(rows, dtype=torch.bool)
@@ -190,7 +206,7 @@ class SpeculativeGenerator:
                 keep = live.nonzero().squeeze(1)
                 rows, live = rows[keep], live[keep]
                 if rows.numel():
-                    drafter_state = self._select(verifier_state, drafter_state, keep)
+                    self._select(verifier_state, drafter_state, keep)
 
         self.stats.sentences += bsz
         self.stats.iterations += int(iterations.sum())
@@ -201,23 +217,7 @@ class SpeculativeGenerator:
     def _accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator):
         """(path [B, depth] of accepted node indices padded with -1, n_accepted [B],
         next token [B]) under the configured rule, from the block's constrained logits."""
-        settings = self.settings
-        if self.verify == "rsd":
-            probs = sampling_probs(logits, settings.sampling_topk, settings.sampling_topp)
-            return recursive_rejection(tree, probs, self.eos, rng)
-        if self.verify == "sampling":
-            probs = sampling_probs(logits, settings.sampling_topk, settings.sampling_topp)
-            k = tree.tokens.size(1)
-            n_accepted, next_tokens = speculative_sample(
-                tree.tokens, tree.draft_probs[:, :k], probs, self.eos, rng
-            )
-        else:
-            n_accepted, next_tokens = accept_top_beta(
-                tree.tokens, logits, settings.beta, settings.tau, self.eos
-            )
-        chain = torch.arange(tree.tokens.size(1), device=logits.device).expand_as(tree.tokens)
-        path = torch.where(chain < n_accepted.unsqueeze(1), chain, torch.full_like(chain, -1))
-        return path, n_accepted, next_tokens
+        return RULES[self.verify].accept(tree, logits, self.settings, self.eos, rng)
 
     def _trace_records(self, rows, live, tokens, lengths, tree, logits, normalizer, path,
                        n_accepted, next_tokens):  # fmt: skip
@@ -233,26 +233,26 @@ class SpeculativeGenerator:
                 continue
             n = int(n_accepted[i])
             accepted = path[i, :n].tolist()
-            records.append({
-                "sentence": row,
-                "prefix": tokens[i, 1 : int(lengths[i]) + 1].tolist(),
-                "draft_tokens": tree.tokens[i].tolist(),
-                "draft_parents": tree.parents[i].tolist(),
-                "candidates": best_tokens[i].tolist(),
-                "candidate_logprobs": best_logprobs[i].float().tolist(),
-                "accepted_path": accepted,
-                "next_token": int(next_tokens[i]),
-                # a bonus token follows an entry without children to try; else a correction
-                "next_kind": "bonus" if _is_leaf(tree, i, accepted[-1] if n else -1) else "correction",
-                "ended_by_accepted_eos": bool(n and tree.tokens[i, accepted[-1]] == self.eos),
-            })  # fmt: skip
+            # a bonus token follows an entry without children to try; else a correction
+            leaf = _is_leaf(tree, i, accepted[-1] if n else -1)
+            records.append(IterationRecord(
+                sentence=row,
+                prefix=tokens[i, 1 : int(lengths[i]) + 1].tolist(),
+                draft_tokens=tree.tokens[i].tolist(),
+                draft_parents=tree.parents[i].tolist(),
+                candidates=best_tokens[i].tolist(),
+                candidate_logprobs=best_logprobs[i].float().tolist(),
+                accepted_path=accepted,
+                next_token=int(next_tokens[i]),
+                next_kind="bonus" if leaf else "correction",
+                ended_by_accepted_eos=bool(n and tree.tokens[i, accepted[-1]] == self.eos),
+            ))  # fmt: skip
         return records
 
-    def _select(self, verifier_state, drafter_state, keep: Tensor):
-        """Keep only rows ``keep``: the verifier's state changes in place, the drafter's new state
-        is returned."""
+    def _select(self, verifier_state, drafter_state, keep: Tensor) -> None:
+        """Keep only rows ``keep`` in both states."""
         self.verifier.select_rows(verifier_state, keep)
-        return self.drafter.select_rows(drafter_state, keep)
+        self.drafter.select_rows(drafter_state, keep)
 
     def _max_lengths(self, src_lengths: Tensor) -> Tensor:
         """Each sentence's output length limit, max_len_a * its source length + max_len_b, in

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from spec_nmt.decoding.drafters import DraftPlan
+from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.verify import check_sampling_params, check_top_beta_params
 from spec_nmt.errors import SpecNmtError
 
-RULES = ("top_beta", "sampling", "rsd")
 # The most tokens per verifier call of the 6-node trees on newstest2013 (BENCHMARKS.md).
 DEFAULT_TREE_BRANCHING = "3,1"
 
@@ -53,10 +53,11 @@ class DecodingSettings:
     @property
     def draft_plan(self) -> DraftPlan:
         """The drafts' shape; one-line errors for combinations that make no sense."""
-        if self.verify != "rsd":
+        rule = RULES[self.verify]
+        if not rule.trees:
             if self.tree_branching or self.tree_budget:
                 raise SpecNmtError("--tree-branching and --tree-budget need --verify rsd")
-            return DraftPlan.chain(self.block_size, sample=self.verify == "sampling")
+            return DraftPlan.chain(self.block_size, sample=rule.sampled_drafts)
         if self.tree_branching and self.tree_budget:
             raise SpecNmtError(
                 "--verify rsd takes one of --tree-branching (RSD-C, e.g. 3,2,2,1) and "
@@ -73,14 +74,14 @@ class DecodingSettings:
                     "--tree-branching must be comma-separated positive integers (children per "
                     f"node at each depth, e.g. 3,2,2,1), got {self.tree_branching!r}"
                 )
-            return DraftPlan(branching=branching, sample=True)
+            return DraftPlan(branching=branching, sample=rule.sampled_drafts)
         width = self.tree_budget // self.block_size
         if width < 1:
             raise SpecNmtError(
                 f"--tree-budget {self.tree_budget} is smaller than --block-size {self.block_size}: "
                 "RSD-S needs at least one node per level"
             )
-        return DraftPlan(beam_width=width, beam_depth=self.block_size, sample=True)
+        return DraftPlan(beam_width=width, beam_depth=self.block_size, sample=rule.sampled_drafts)
 
     def replace(self, **changes) -> "DecodingSettings":
         """A copy with ``changes``; an unknown name is a one-line error listing the known ones."""

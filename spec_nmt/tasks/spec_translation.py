@@ -27,12 +27,8 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from spec_nmt.decoding.drafters import ArDrafter, CachedDrafter, NarDrafter
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
-from spec_nmt.decoding.settings import (
-    DEFAULT_TREE_BRANCHING,
-    DEFAULTS,
-    RULES,
-    DecodingSettings,
-)
+from spec_nmt.decoding.rules import RULES
+from spec_nmt.decoding.settings import DEFAULT_TREE_BRANCHING, DEFAULTS, DecodingSettings
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import CachedDrafterModel
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel
