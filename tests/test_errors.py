@@ -31,7 +31,7 @@ def assert_one_line_error(result, *fragments):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--block-size", 0], "--block-size must be >= 1"),
+        (["--block-size", 0], "--block-size must be an integer >= 1"),
         (["--beta", 0], "--beta must be an integer >= 1"),
         (["--tau", -0.5], "--tau must be >= 0"),
         (["--beam", 5], "--beam 5 cannot be combined with --drafter-path"),

@@ -38,14 +38,15 @@ def mean_accepted(output):
     return float(match.group(1))
 
 
-def generate(toy, batch_size, drafter=None):
+def generate(toy, batch_size, drafter=None, *extra):
     batching = ["--batch-size", batch_size, "--required-batch-size-multiple", 1]
     if drafter is None:
         task = ["--task", "translation", "--beam", 1]
     else:
         task = ["--task", "spec_translation", "--drafter-path", toy[drafter]]
         task += ["--block-size", BLOCK_SIZE, "--beta", 1, "--tau", 0]
-    result = fairseq("generate", toy["bin"], "--path", toy["verifier"], *task, *batching, *COMMON)
+    result = fairseq("generate", toy["bin"], "--path", toy["verifier"], *task, *batching, *COMMON,
+                     *extra)  # fmt: skip
     return result.stdout + result.stderr
 
 
@@ -64,6 +65,13 @@ def test_generate_is_identical_to_stock_greedy(toy, stock_greedy, drafter, batch
     if drafter != "untrained_drafter":
         assert accepted > 0.3  # a trained drafter gets drafts accepted
     print(f"{drafter} batch {batch_size}: mean accepted tokens per iteration {accepted}")
+
+
+@pytest.mark.parametrize("drafter", ["drafter", "cached_drafter"])
+def test_adaptive_block_is_identical_to_stock_greedy(toy, stock_greedy, drafter):
+    """Each sentence's k follows its acceptance; the output stays the verifier's greedy one."""
+    output = generate(toy, 16, drafter, "--adaptive-block")
+    assert hypotheses(output) == stock_greedy[16]
 
 
 def test_interactive_is_identical_to_stock_greedy(toy):

@@ -142,7 +142,7 @@ def test_benchmark_ceiling_mode_accepts_every_oracle_draft(pipeline, tmp_path):
         # every draft accepted: k accepted + 1 bonus token per iteration, less at sentence ends
         assert oracle["tokens_per_verifier_call"] > max(real["tokens_per_verifier_call"], 3)
         assert oracle["draft_greedy_steps"] < real["draft_greedy_steps"]
-        phases = ("draft", "score", "accept", "commit", "other")
+        phases = ("encode", "draft", "score", "accept", "commit", "other")
         total = sum(oracle[f"{phase}_greedy_steps"] for phase in phases)
         assert abs(total - oracle["greedy_steps_per_iteration"]) < 0.05
         assert rows[(batch, "fairseq greedy")]["greedy_step_ms"] > 0

@@ -151,12 +151,15 @@ class SpeculativeGenerator:
         # Finished rows stay in the states (their results are ignored) until a quarter of them
         # has finished: copying every cache out for each finished sentence costs more.
         live = torch.ones_like(rows, dtype=torch.bool)
+        block_sizes = torch.full_like(rows, self.plan.depth)  # k of each state row (adaptive)
 
         while rows.numel() > 0:
             row_tokens, row_lengths = tokens[rows], lengths[rows]
             # The drafter cannot look past its own position limit: shrink the drafts near it.
             room = self.drafter.max_positions() - 1 - int(row_lengths.max())
-            plan = self.plan if room >= self.plan.depth else self.plan.shrink(max(room, 0))
+            depth = int(block_sizes[live].max()) if self.settings.adaptive_block else self.plan.depth
+            depth = min(depth, max(room, 0))
+            plan = self.plan if depth == self.plan.depth else self.plan.shrink(depth)
             # 1. draft
             tree = self.drafter.propose(drafter_state, row_tokens, row_lengths, plan, rng)
             # 2. score [pending token, tree nodes] in one verifier pass
@@ -189,6 +192,9 @@ class SpeculativeGenerator:
             lengths[rows] += n_emitted
             iterations[rows] += live
             accepted[rows] += n_accepted
+            if self.settings.adaptive_block:
+                block_sizes = adapted_block_sizes(block_sizes, n_accepted, plan.depth,
+                                                  self.plan.depth)  # fmt: skip
             n_kept = (n_accepted + 1) * live
             self.verifier.commit(verifier_state, kept_entries, n_kept)
             self.drafter.commit(drafter_state, kept_entries, n_kept)
@@ -204,7 +210,7 @@ class SpeculativeGenerator:
             finished = int(live.numel() - live.sum())
             if finished and (finished == live.numel() or 4 * finished >= live.numel()):
                 keep = live.nonzero().squeeze(1)
-                rows, live = rows[keep], live[keep]
+                rows, live, block_sizes = rows[keep], live[keep], block_sizes[keep]
                 if rows.numel():
                     self._select(verifier_state, drafter_state, keep)
 
@@ -306,6 +312,18 @@ class SpeculativeGenerator:
     def log_summary(self) -> None:
         if self.stats.sentences:
             logger.info(self.stats.summary())
+
+
+def adapted_block_sizes(
+    block_sizes: Tensor, n_accepted: Tensor, drafted: int, largest: int
+) -> Tensor:
+    """Each sentence's next k: twice its k after it accepted all its k drafts (at most
+    ``largest``; a batch drafts its largest k for every sentence), the accepted count + 1 after a
+    rejection (multiplicative increase, fast decrease: a sentence's acceptance runs are similar
+    from one iteration to the next)."""
+    fully_accepted = n_accepted >= block_sizes.clamp(max=drafted)
+    grown = (2 * block_sizes).clamp(max=largest)
+    return torch.where(fully_accepted, grown, n_accepted + 1)
 
 
 def _is_leaf(tree: DraftTree, row: int, node: int) -> bool:

@@ -28,6 +28,7 @@ class DecodingSettings:
     tau: float = 0.0  # ... and within tau of the best log-prob (1 / 0: lossless)
     tree_branching: Optional[str] = None  # rsd, RSD-C: children per node at each depth
     tree_budget: int = 0  # rsd, RSD-S: nodes per iteration (stochastic beam search)
+    adaptive_block: bool = False  # chains: k per sentence from its acceptance, at most block_size
     # sampling (rules sampling and rsd)
     temperature: float = 1.0
     sampling_topk: int = -1
@@ -54,6 +55,8 @@ class DecodingSettings:
     def draft_plan(self) -> DraftPlan:
         """The drafts' shape; one-line errors for combinations that make no sense."""
         rule = RULES[self.verify]
+        if self.adaptive_block and rule.trees:
+            raise SpecNmtError("--adaptive-block adapts chains of drafts: it does not fit --verify rsd")
         if not rule.trees:
             if self.tree_branching or self.tree_budget:
                 raise SpecNmtError("--tree-branching and --tree-budget need --verify rsd")
@@ -118,5 +121,6 @@ def names() -> List[str]:
 
 DEFAULTS = DecodingSettings()
 # the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
-RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget")
+RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
+                 "adaptive_block")  # fmt: skip
 GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))

@@ -97,6 +97,14 @@ class SpecTranslationConfig(TranslationConfig):
             "width tree-budget // block-size over block-size levels"
         },
     )
+    adaptive_block: bool = field(
+        default=DEFAULTS.adaptive_block,
+        metadata={
+            "help": "chains of drafts (top_beta, sampling): each sentence's k starts at "
+            "--block-size, doubles after a fully accepted block (up to --block-size) and drops "
+            "to the accepted count + 1 after a rejection"
+        },
+    )
 
 
 @register_task("spec_translation", dataclass=SpecTranslationConfig)
