@@ -79,6 +79,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--cpu", action="store_true", help="decode on the CPU even if CUDA is available"
     )
+    parser.add_argument(
+        "--drafter-int8",
+        action="store_true",
+        help="run the drafter's linear layers in int8 (CPU): cheaper drafts, same guarantees",
+    )
     args = parser.parse_args(argv)
     if args.buffer_size < 1:
         raise SpecNmtError(f"--buffer-size must be >= 1, got {args.buffer_size}")
@@ -162,6 +167,7 @@ def main(argv=None):
         args.model_dir,
         drafter_path=args.drafter_path,
         device="cpu" if args.cpu else None,
+        drafter_int8=args.drafter_int8,
         **settings,
     )
     stream = open_input(args.input)

@@ -74,6 +74,13 @@ def test_adaptive_block_is_identical_to_stock_greedy(toy, stock_greedy, drafter)
     assert hypotheses(output) == stock_greedy[16]
 
 
+def test_int8_drafter_keeps_lossless_decoding_lossless(toy, stock_greedy):
+    """--drafter-int8 changes the drafts only: the verifier still decides every token."""
+    output = generate(toy, 16, "cached_drafter", "--drafter-int8")
+    assert hypotheses(output) == stock_greedy[16]
+    assert mean_accepted(output) > 0.3
+
+
 def test_interactive_is_identical_to_stock_greedy(toy):
     lines = (toy["raw"] / "test.de").read_text()
     batching = ["--batch-size", 4, "--buffer-size", 8]
