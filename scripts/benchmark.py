@@ -584,8 +584,8 @@ def main():
                         help="sweep: run every setting with fixed k and with --adaptive-block (k at most --blocks' value)")
     parser.add_argument("--settings", type=comma_list(setting), default=None,
                         help="sweep: explicit k:beta:tau list instead of the product, e.g. 5:1:0,10:3:1")
-    parser.add_argument("--lossless-block", type=int, default=10, help="run: k of the lossless system")
-    parser.add_argument("--block", type=int, default=10, help="run: k of the top-beta/tau system")
+    parser.add_argument("--lossless-block", type=int, default=DEFAULTS.block_size, help="run: k of the lossless system")
+    parser.add_argument("--block", type=int, default=DEFAULTS.block_size, help="run: k of the top-beta/tau system")
     parser.add_argument("--beta", type=int, default=3, help="run: beta of the top-beta/tau system")
     parser.add_argument("--tau", type=float, default=1.0, help="run: tau of the top-beta/tau system")
     parser.add_argument("--output-dir", default=None, help="run: write each system's translations here")

@@ -82,7 +82,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--drafter-int8",
         action="store_true",
-        help="run the drafter's linear layers in int8 (CPU): cheaper drafts, same guarantees",
+        help="run the drafter's feed-forward and output layers in int8 (CPU): cheaper drafts, "
+        "same guarantees",
     )
     args = parser.parse_args(argv)
     if args.buffer_size < 1:

@@ -69,8 +69,8 @@ class SpecTranslator:
         **settings,
     ) -> "SpecTranslator":
         """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``
-        (default: CUDA when available); ``drafter_int8`` quantizes the drafter's linear layers
-        (CPU). ``settings`` are the defaults of every call."""
+        (default: CUDA when available); ``drafter_int8`` quantizes the drafter's FFN and output
+        layers (CPU). ``settings`` are the defaults of every call."""
         model_dir = Path(model_dir)
         drafter_path = Path(drafter_path) if drafter_path else model_dir / "drafter.pt"
         needed = ["verifier.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt", "spm.model"]
@@ -124,8 +124,8 @@ class SpecTranslator:
     def sample(
         self,
         lines: Union[str, Sequence[str]],
-        temperature: float = DEFAULTS.temperature,
-        seed: int = DEFAULTS.seed,
+        temperature: Optional[float] = None,
+        seed: Optional[int] = None,
         verify: str = "sampling",
         batch_size: int = DEFAULT_BATCH_SIZE,
         split_sentences: bool = True,
@@ -138,7 +138,10 @@ class SpecTranslator:
         equal samples. Lines are split into sentences as in translate()."""
         if verify not in ("sampling", "rsd"):
             raise SpecNmtError(f"sample() takes verify='sampling' or 'rsd', got {verify!r}")
-        generator = self.generator(seed=seed, verify=verify, temperature=temperature, **settings)
+        # temperature and seed default to the translator's settings
+        given = {"temperature": temperature, "seed": seed}
+        settings.update({name: value for name, value in given.items() if value is not None})
+        generator = self.generator(verify=verify, **settings)
         return self._decode(generator, lines, batch_size, split_sentences, progress)
 
     def encode(self, lines: Sequence[str]) -> List[torch.Tensor]:

@@ -239,9 +239,6 @@ class CachedDrafter(NarDrafter):
             model, role="the cached drafter (--drafter-path)", drafter=True
         )
 
-    def max_source_positions(self) -> int:
-        return self.model.encoder.max_positions()  # the verifier's encoder, copied
-
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict):
         return self.scorer.start(net_input, encoder_out=verifier_encoder_out)
 

@@ -7,7 +7,8 @@ Each iteration, for every unfinished sentence of the batch:
   3. accept: the rule keeps a path of drafts, then the verifier's own token follows (correction
              at the first rejection, bonus after a fully accepted path);
   4. commit: accepted tokens join the prefix, verifier and drafter caches drop everything else,
-             finished sentences leave the batch.
+             finished sentences leave the batch (the states are compacted once a quarter of
+             their rows has finished; until then finished rows are carried and ignored).
 Every iteration emits at least one token, so even a useless drafter degrades to plain decoding.
 """
 
@@ -108,7 +109,7 @@ class SpeculativeGenerator:
         sample: Dict,
         prefix_tokens=None,
         constraints=None,
-        trace: Optional[List[Dict]] = None,
+        trace: Optional[List[IterationRecord]] = None,
         **unused,
     ):
         """fairseq's hypotheses per sentence. With a ``trace`` list, one ``IterationRecord`` per
@@ -156,7 +157,7 @@ class SpeculativeGenerator:
         while rows.numel() > 0:
             row_tokens, row_lengths = tokens[rows], lengths[rows]
             # The drafter cannot look past its own position limit: shrink the drafts near it.
-            room = self.drafter.max_positions() - 1 - int(row_lengths.max())
+            room = self.drafter.max_positions() - 1 - int(row_lengths[live].max())
             depth = int(block_sizes[live].max()) if self.settings.adaptive_block else self.plan.depth
             depth = min(depth, max(room, 0))
             plan = self.plan if depth == self.plan.depth else self.plan.shrink(depth)

@@ -1,6 +1,7 @@
 """The verifier adapter: a stock fairseq Transformer translation model that scores a block of new
-decoder inputs in ONE forward pass on top of its key/value cache. The same adapter runs an
-autoregressive drafter (a small stock Transformer), whose drafts are blocks and trees too.
+decoder inputs in ONE forward pass on top of its key/value cache. The same adapter runs the
+autoregressive drafter (a small stock Transformer, whose drafts are blocks and trees too) and the
+cached drafter (prefix entries and mask blocks on the verifier's encoder output).
 
 fairseq's own incremental decoder reads only the last input token and its attention takes one
 mask for the whole batch, so block scoring has its own short forward through the stock decoder

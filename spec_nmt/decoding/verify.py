@@ -25,7 +25,7 @@ def check_top_beta_params(beta: int, tau: float) -> None:
 
 def accept_top_beta(
     draft_tokens: Tensor,  # [B, k] long
-    verifier_logprobs: Tensor,  # [B, k+1, V] float: log-probs, or logits
+    verifier_scores: Tensor,  # [B, k+1, V] float: log-probs, or logits
     beta: int,
     tau: float,
     eos: int,
@@ -45,21 +45,21 @@ def accept_top_beta(
     position ``n_accepted`` (meaningless for rows whose accepted drafts end with EOS).
     """
     batch, k = draft_tokens.shape
-    if verifier_logprobs.shape[:2] != (batch, k + 1):  # a caller's bug, not a user's
+    if verifier_scores.shape[:2] != (batch, k + 1):  # a caller's bug, not a user's
         raise ValueError(
-            f"verifier_logprobs must be [B, k+1, V] = [{batch}, {k + 1}, V], "
-            f"got {list(verifier_logprobs.shape)}"
+            f"verifier_scores must be [B, k+1, V] = [{batch}, {k + 1}, V], "
+            f"got {list(verifier_scores.shape)}"
         )
     # The same top-k call picks both the best token and the candidates, so beta=1 accepts a
     # draft exactly when it is the token greedy decoding would choose (ties included).
-    top_logprobs, top_tokens = verifier_logprobs.topk(beta, dim=-1)  # [B, k+1, beta]
+    top_logprobs, top_tokens = verifier_scores.topk(beta, dim=-1)  # [B, k+1, beta]
     next_candidates = top_tokens[:, :, 0]  # [B, k+1]
     if k == 0:
         return draft_tokens.new_zeros(batch), next_candidates[:, 0]
 
     block_top_tokens = top_tokens[:, :k]
     in_top_beta = block_top_tokens.eq(draft_tokens.unsqueeze(-1)).any(dim=-1)  # [B, k]
-    draft_logprobs = verifier_logprobs[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    draft_logprobs = verifier_scores[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     within_tau = draft_logprobs >= top_logprobs[:, :k, 0] - tau
     passes = in_top_beta & within_tau
 

@@ -99,7 +99,7 @@ class SpecDrafterModel(TransformerModel):
 
     def verifier_parts(self):
         """Name prefixes of the verifier's tensors this drafter starts from: the encoder (and,
-        always, the token embeddings), SpecDec's drafter initialisation."""
+        always, the token embeddings and output projection), SpecDec's drafter initialisation."""
         return ("encoder.",)
 
     def initialize_from_verifier(self, path):
