@@ -209,7 +209,7 @@ class SpeculativeGenerator:
                 finalized[row].append(hypothesis)
             live &= ~ended
             finished = int(live.numel() - live.sum())
-            if finished and (finished == live.numel() or 4 * finished >= live.numel()):
+            if finished and 4 * finished >= live.numel():  # all finished is a quarter too
                 keep = live.nonzero().squeeze(1)
                 rows, live, block_sizes = rows[keep], live[keep], block_sizes[keep]
                 if rows.numel():
