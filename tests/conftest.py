@@ -97,14 +97,18 @@ def toy(tmp_path_factory):
     )  # fmt: skip
     train_drafter(data_bin, root / "untrained_drafter", 1)
     verifier = root / "verifier" / "checkpoint_last.pt"
-    cached_log = train_drafter(data_bin, root / "cached_drafter", 300, "--arch", "cached_drafter",
-                               "--cuts-per-sentence", 3, "--init-from-verifier", verifier)  # fmt: skip
+    cached_log = train_drafter(
+        data_bin, root / "cached_drafter", 300, "--arch", "cached_drafter", "--cuts-per-sentence", 3,
+        "--init-from-verifier", verifier, "--eval-acceptance-verifier", verifier, "--beta", 3,
+        "--tau", 1, "--best-checkpoint-metric", "accepted_lossless", "--maximize-best-checkpoint-metric",
+    )  # fmt: skip
     return {
         "root": root,
         "raw": raw,
         "bin": data_bin,
         "verifier": verifier,
         "cached_drafter": root / "cached_drafter" / "checkpoint_last.pt",
+        "cached_drafter_best": root / "cached_drafter" / "checkpoint_best.pt",
         "cached_drafter_log": cached_log.stdout + cached_log.stderr,
         "drafter": root / "drafter" / "checkpoint_last.pt",
         "drafter_dir": root / "drafter",

@@ -1,6 +1,8 @@
 """The cached drafter: trained on the verifier's frozen encoder with the decoding attention
 pattern, its cached iterations equal a full recomputation, and it refuses other verifiers."""
 
+import re
+
 import pytest
 import torch
 from fairseq import checkpoint_utils
@@ -9,7 +11,7 @@ from spec_nmt.decoding.drafters import CachedDrafter
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import cut_visibility
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
-from tests.conftest import BLOCK_SIZE, train_drafter, train_losses
+from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq, train_drafter, train_losses
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +97,41 @@ def test_training_without_the_verifier_is_refused_in_one_line(toy, tmp_path):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
     assert errors and "give --init-from-verifier VERIFIER.pt" in errors[0], result.stderr[-2000:]
+
+
+def validation_metric(log, name):
+    """The metric's value at every validation of a fairseq-train log."""
+    lines = [line for line in log.splitlines() if "| valid on" in line]
+    return [float(re.search(rf"\| {name} ([0-9.]+)", line).group(1)) for line in lines]
+
+
+def test_validation_logs_the_acceptance_that_decoding_measures(toy):
+    """--eval-acceptance-verifier: every validation decodes the valid set with the drafter of the
+    moment; the last one ran on checkpoint_last's weights, so fairseq-generate with that
+    checkpoint over the same batches reports the same mean."""
+    lossless = validation_metric(toy["cached_drafter_log"], "accepted_lossless")
+    relaxed = validation_metric(toy["cached_drafter_log"], "accepted_top_beta")
+    print(f"accepted per validation: lossless {lossless}, beta 3 tau 1 {relaxed}")
+    assert len(lossless) == len(relaxed) >= 5
+    assert lossless[-1] > lossless[0] + 0.5, lossless  # training raised the acceptance
+    assert max(relaxed) > max(lossless), (relaxed, lossless)  # beta 3, tau 1 accepts more
+    result = fairseq(
+        "generate", toy["bin"], "--user-dir", USER_DIR, "--task", "spec_translation",
+        "--path", toy["verifier"], "--drafter-path", toy["cached_drafter"], "--gen-subset", "valid",
+        "--block-size", BLOCK_SIZE, "--max-tokens", 2000, "--max-len-a", 1.2, "--max-len-b", 10,
+        "--cpu",
+    )  # fmt: skip
+    decoded = re.search(r"mean accepted tokens per iteration ([0-9.]+)", result.stderr).group(1)
+    assert float(decoded) == pytest.approx(lossless[-1], abs=0.006)
+    # --best-checkpoint-metric accepted_lossless --maximize-best-checkpoint-metric
+    best = torch.load(toy["cached_drafter_best"], weights_only=False)
+    assert best["extra_state"]["best"] == pytest.approx(max(lossless), abs=1e-3)
+
+
+def test_acceptance_verifier_must_be_a_verifier(toy, tmp_path):
+    result = train_drafter(
+        toy["bin"], tmp_path / "d", 1, "--eval-acceptance-verifier", toy["drafter"], check=False
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
+    assert errors and "is a drafter; give the verifier" in errors[0], result.stderr[-2000:]

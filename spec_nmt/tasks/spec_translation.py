@@ -17,10 +17,10 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
-from fairseq import checkpoint_utils
+from fairseq import checkpoint_utils, metrics
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
@@ -115,6 +115,17 @@ class SpecTranslationConfig(TranslationConfig):
             "to the accepted count + 1 after a rejection"
         },
     )
+    eval_acceptance_verifier: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "drafter training: at every validation, decode the validation set "
+            "speculatively with this verifier checkpoint and the drafter being trained (k = "
+            "--block-size), and log accepted_lossless, the mean accepted drafts per iteration "
+            "of the lossless rule, and, when --beta/--tau relax it, accepted_top_beta; "
+            "--best-checkpoint-metric accepted_lossless --maximize-best-checkpoint-metric keeps "
+            "the drafter that agrees best"
+        },
+    )
 
 
 @register_task("spec_translation", dataclass=SpecTranslationConfig)
@@ -129,6 +140,7 @@ class SpecTranslationTask(TranslationTask):
         super().__init__(cfg, src_dict, tgt_dict)
         self._drafter_dicts = None
         self._source_token_limit = None
+        self._acceptance_verifier = None
 
     # ----- dictionaries -------------------------------------------------------------------
     def drafter_dictionaries(self):
@@ -166,7 +178,73 @@ class SpecTranslationTask(TranslationTask):
     def valid_step(self, sample, model, criterion):
         # Fixed cut points per batch, so validation losses compare across epochs.
         generator = torch.Generator().manual_seed(int(sample["id"].sum()))
-        return super().valid_step(self.drafter_sample(sample, model, generator), model, criterion)
+        drafter_sample = self.drafter_sample(sample, model, generator)
+        loss, sample_size, logging_output = super().valid_step(drafter_sample, model, criterion)
+        if self.cfg.eval_acceptance_verifier:
+            logging_output.update(self._acceptance_counts(sample, _unwrapped(model)))
+        return loss, sample_size, logging_output
+
+    def acceptance_settings(self) -> Dict[str, DecodingSettings]:
+        """The rules --eval-acceptance-verifier measures, by metric name."""
+        lossless = DEFAULTS.replace(block_size=self.cfg.block_size)
+        settings = {"accepted_lossless": lossless}
+        if (self.cfg.beta, self.cfg.tau) != (lossless.beta, lossless.tau):
+            settings["accepted_top_beta"] = lossless.replace(beta=self.cfg.beta, tau=self.cfg.tau)
+        return settings
+
+    def _acceptance_counts(self, sample, drafter_model) -> Dict[str, int]:
+        """Accepted drafts and iterations of each measured rule on this validation batch."""
+        verifier_model = self._verifier_for_acceptance(drafter_model)
+        drafter = drafter_adapter(drafter_model, self.target_dictionary)
+        net_input = sample["net_input"]
+        source = {"net_input": {k: net_input[k] for k in ("src_tokens", "src_lengths")}}
+        counts = {}
+        for name, settings in self.acceptance_settings().items():
+            generator = self.generator_for(verifier_model, drafter, settings)
+            generator.generate([verifier_model], source)
+            counts[f"_{name}_drafts"] = generator.stats.accepted_tokens
+            counts[f"_{name}_iterations"] = generator.stats.iterations
+        return counts
+
+    def _verifier_for_acceptance(self, drafter_model):
+        if self._acceptance_verifier is None:
+            path = self.cfg.eval_acceptance_verifier
+            if not os.path.isfile(path):
+                raise SpecNmtError(f"--eval-acceptance-verifier {path}: no such file")
+            (verifier,), _ = checkpoint_utils.load_model_ensemble([path], task=self)
+            if isinstance(verifier, SpecDrafterModel):
+                raise SpecNmtError(
+                    f"--eval-acceptance-verifier {path} is a drafter; give the verifier "
+                    "(a Transformer trained with --task translation)"
+                )
+            if isinstance(drafter_model, CachedDrafterModel):
+                drafter_model.check_encoder_matches(verifier)
+            reference = next(drafter_model.parameters())
+            self._acceptance_verifier = verifier.to(reference.device, reference.dtype).eval()
+            names = " and ".join(
+                f"{name} (beta {s.beta}, tau {s.tau:g})"
+                for name, s in self.acceptance_settings().items()
+            )
+            logger.info(
+                f"validation decodes with the verifier {path} at k={self.cfg.block_size}: {names}"
+            )
+        return self._acceptance_verifier
+
+    def reduce_metrics(self, logging_outputs, criterion):
+        super().reduce_metrics(logging_outputs, criterion)
+        for name in self.acceptance_settings():
+            drafts = sum(log.get(f"_{name}_drafts", 0) for log in logging_outputs)
+            iterations = sum(log.get(f"_{name}_iterations", 0) for log in logging_outputs)
+            if iterations == 0:  # training steps, or validation without --eval-acceptance-verifier
+                continue
+            metrics.log_scalar(f"_{name}_drafts", drafts)
+            metrics.log_scalar(f"_{name}_iterations", iterations)
+            metrics.log_derived(
+                name,
+                lambda meters, n=name: round(
+                    meters[f"_{n}_drafts"].sum / meters[f"_{n}_iterations"].sum, 3
+                ),
+            )
 
     def drafter_sample(self, sample, model, generator: Optional[torch.Generator] = None):
         """Turn a translation batch into a drafter batch for ``model``: cut every target at
@@ -271,13 +349,9 @@ class SpecTranslationTask(TranslationTask):
         model = model.to(device=reference.device, dtype=reference.dtype).eval()
         if isinstance(model, CachedDrafterModel):
             model.check_encoder_matches(verifier_model)
-            adapter = CachedDrafter
-        else:
-            adapter = ArDrafter if autoregressive else NarDrafter
         if self.cfg.drafter_int8:
             model = _int8_linears(model)
-        dictionary = self.target_dictionary
-        return adapter(model, pad=dictionary.pad(), eos=dictionary.eos())
+        return drafter_adapter(model, self.target_dictionary)
 
     def get_interactive_tokens_and_lengths(self, lines, encode_fn):
         """Encode input lines; a line longer than the models accept is cut to fit (with a
@@ -309,6 +383,18 @@ def tolerant_stdin() -> None:
             sys.stdin.reconfigure(errors="replace", newline="\n")
         except (OSError, ValueError):  # already read from (e.g. the API in a REPL): leave it
             pass
+
+
+def drafter_adapter(model, dictionary):
+    """The decoding loop's adapter for a drafter model: cached drafter, Spec-Drafter, or any
+    other fairseq translation model as an autoregressive drafter."""
+    if isinstance(model, CachedDrafterModel):
+        adapter = CachedDrafter
+    elif isinstance(model, SpecDrafterModel):
+        adapter = NarDrafter
+    else:
+        adapter = ArDrafter
+    return adapter(model, pad=dictionary.pad(), eos=dictionary.eos())
 
 
 def _with_mask(dictionary):
