@@ -16,11 +16,9 @@ import argparse
 import ast
 from pathlib import Path
 
-import torch
 from fairseq import checkpoint_utils, tasks
-from omegaconf import OmegaConf
 
-import spec_nmt  # noqa: F401  (safe globals for torch.load of fairseq checkpoints)
+from spec_nmt.checkpoint_loading import save_checkpoint  # also: torch.load of fairseq checkpoints
 from spec_nmt.errors import SpecNmtError
 
 
@@ -67,9 +65,7 @@ def main():
             }
         ],
     }
-    # As fairseq saves it: plain containers, which torch.load(weights_only=True) accepts.
-    state["cfg"] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    torch.save(state, args.out)
+    save_checkpoint(state, args.out)
     print(
         f"{args.out}: update {history[-1]['num_updates']}, epoch "
         f"{state['extra_state']['train_iterator']['epoch']}, {parameter_count} parameter tensors"

@@ -15,50 +15,13 @@ shard per GPU; merge by running the script per shard into separate directories).
 import argparse
 import logging
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from spec_nmt.data_prep import filter_pair_lengths, run_fairseq_preprocess
-from spec_nmt.decoding.settings import DEFAULTS
+from spec_nmt.data_prep import filter_pair_lengths, run_fairseq_preprocess, translate_subset
 from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger("distill")
-
-
-def translate_train(data_bin, verifier, args, extra):
-    """Run fairseq-generate on the train split; return {id: (source, hypothesis)}."""
-    command = [
-        sys.executable, "-m", "fairseq_cli.generate", str(data_bin),
-        "--user-dir", str(Path(__file__).resolve().parents[1] / "spec_nmt"),
-        "--task", "translation", "--source-lang", args.source_lang, "--target-lang", args.target_lang,
-        "--gen-subset", "train", "--path", str(verifier), "--beam", str(args.beam),
-        "--max-tokens", str(args.max_tokens), "--required-batch-size-multiple", "1",
-        # fairseq-generate shards batches by the distributed rank flags.
-        "--distributed-world-size", str(args.num_shards), "--distributed-rank", str(args.shard_id),
-        *DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"]),
-    ] + extra
-    if args.cpu:
-        command.append("--cpu")
-    logger.info("running %s", " ".join(command))
-    sources, hypotheses = {}, {}
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, encoding="utf-8") as proc:
-        for line in proc.stdout:
-            kind, _, rest = line.rstrip("\n").partition("-")
-            if kind not in ("S", "H") or not rest[:1].isdigit():
-                continue
-            fields = rest.split("\t")
-            sentence_id = int(fields[0])
-            if kind == "S":
-                sources[sentence_id] = fields[1]
-            else:
-                hypotheses[sentence_id] = fields[2]
-                if len(hypotheses) % 5000 == 0:
-                    logger.info("%d sentences translated", len(hypotheses))
-    if proc.returncode != 0:
-        raise SpecNmtError(f"fairseq-generate failed with exit code {proc.returncode}")
-    return {i: (sources[i], hypotheses[i]) for i in sorted(hypotheses)}
 
 
 def main():
@@ -87,7 +50,10 @@ def main():
     if not args.verifier.is_file():
         raise SpecNmtError(f"verifier checkpoint {args.verifier} does not exist")
 
-    pairs = translate_train(args.data_bin, args.verifier, args, extra)
+    pairs = translate_subset(
+        args.data_bin, args.verifier, "train", args.beam, args.max_tokens,
+        languages=(src, tgt), cpu=args.cpu, shard=(args.shard_id, args.num_shards), extra=extra,
+    )  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "train"

@@ -14,11 +14,9 @@ import argparse
 import shutil
 from pathlib import Path
 
-import torch
 from fairseq import checkpoint_utils
-from omegaconf import OmegaConf
 
-import spec_nmt  # noqa: F401  (safe globals for torch.load of fairseq checkpoints)
+from spec_nmt.checkpoint_loading import save_checkpoint  # also: torch.load of fairseq checkpoints
 from spec_nmt.errors import SpecNmtError
 
 
@@ -42,9 +40,7 @@ def compact_checkpoint(src: Path, dst: Path) -> int:
     cfg.checkpoint.save_dir = "."
     if getattr(cfg.model, "init_from_verifier", None):
         cfg.model.init_from_verifier = None
-    # As fairseq saves it: plain containers, which torch.load(weights_only=True) accepts.
-    state["cfg"] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    torch.save(state, dst)
+    save_checkpoint(state, dst)
     return dst.stat().st_size
 
 

@@ -1,5 +1,5 @@
-"""Let torch >= 2.6 load fairseq checkpoints (see spec_nmt_torch_load), and name the file when
-one cannot be read.
+"""Let torch >= 2.6 load fairseq checkpoints (see spec_nmt_torch_load), name the file when one
+cannot be read, and save loaded checkpoints back in the form fairseq writes.
 
 fairseq's tools print a long traceback for a truncated or corrupt checkpoint, or for one trained
 with another dictionary than the data directory's (whether given as --path, --drafter-path or in
@@ -8,12 +8,22 @@ a model directory); wrapping fairseq's two loaders turns these into one line nam
 
 import functools
 
+import torch
 from fairseq import checkpoint_utils
+from omegaconf import OmegaConf
 
 from spec_nmt.errors import SpecNmtError
 from spec_nmt_torch_load import allow_fairseq_checkpoint_types
 
 allow_fairseq_checkpoint_types()  # also done at fairseq import where spec-nmt is installed
+
+
+def save_checkpoint(state, path) -> None:
+    """Save a state from ``checkpoint_utils.load_checkpoint_to_cpu`` as fairseq saves one: the
+    configuration as plain containers, which torch.load(weights_only=True) accepts."""
+    if OmegaConf.is_config(state.get("cfg")):
+        state = dict(state, cfg=OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True))
+    torch.save(state, path)
 
 
 def _naming_unreadable_files(load):

@@ -2,7 +2,8 @@
 
 Shared by ``scripts/prepare_data.py`` (any directory of ``{train,valid,test}.{src,tgt}``),
 ``scripts/prepare_wmt14.py`` (downloads WMT14 first) and ``scripts/distill.py`` (re-binarizes
-the verifier's translations with the original dictionaries).
+the verifier's translations with the original dictionaries); ``translate_subset`` runs a verifier
+over a binarized split for distillation and for ``scripts/finish_verifier.py``.
 """
 
 import logging
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,44 @@ def run_fairseq_preprocess(src, tgt, destdir, trainpref=None, validpref=None, te
         args += ["--srcdict", str(srcdict)]
     logger.info("running %s", " ".join(args))
     subprocess.run(args, check=True)
+
+
+def translate_subset(data_bin, checkpoint, subset, beam, max_tokens, languages=("de", "en"),
+                     cpu=False, shard=(0, 1), extra=()):
+    """Translate split ``subset`` of a data-bin with stock fairseq-generate (``--beam``, the
+    length limits of the decoding settings). Returns {sentence id: (source, hypothesis)} in
+    the data's own tokens (sentencepiece pieces for prepare_data.py output). ``shard`` =
+    (index, count) translates every count-th batch only, starting with batch ``index``."""
+    src, tgt = languages
+    shard_id, num_shards = shard
+    command = [
+        sys.executable, "-m", "fairseq_cli.generate", str(data_bin),
+        "--user-dir", str(Path(__file__).resolve().parent),
+        "--task", "translation", "--source-lang", src, "--target-lang", tgt,
+        "--gen-subset", subset, "--path", str(checkpoint), "--beam", str(beam),
+        "--max-tokens", str(max_tokens), "--required-batch-size-multiple", "1",
+        # fairseq-generate shards batches by the distributed rank flags.
+        "--distributed-world-size", str(num_shards), "--distributed-rank", str(shard_id),
+        *DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"]), *(["--cpu"] if cpu else []), *extra,
+    ]  # fmt: skip
+    logger.info("running %s", " ".join(command))
+    sources, hypotheses = {}, {}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, encoding="utf-8") as proc:
+        for line in proc.stdout:
+            kind, _, rest = line.rstrip("\n").partition("-")
+            if kind not in ("S", "H") or not rest[:1].isdigit():
+                continue
+            fields = rest.split("\t")
+            sentence_id = int(fields[0])
+            if kind == "S":
+                sources[sentence_id] = fields[1]
+            else:
+                hypotheses[sentence_id] = fields[2] if len(fields) > 2 else ""
+                if len(hypotheses) % 5000 == 0:
+                    logger.info("%d sentences translated", len(hypotheses))
+    if proc.returncode != 0:
+        raise SpecNmtError(f"fairseq-generate failed with exit code {proc.returncode}")
+    return {i: (sources[i], hypotheses[i]) for i in sorted(hypotheses)}
 
 
 def prepare(raw_dir, out_dir, src="de", tgt="en", vocab_size=8000, max_len=250, max_ratio=1.5):
