@@ -4,16 +4,24 @@ training set with the verifier and binarize (source, verifier output) pairs with
 dictionary, so the drafter learns to predict what the verifier will accept.
 
     python scripts/distill.py DATA_BIN VERIFIER.pt OUT_DIR [--beam 5] [--max-tokens 8000]
-        [--num-shards N --shard-id I] [-- extra fairseq-generate flags]
+        [--num-shards N [--shard-id I]] [-- extra fairseq-generate flags]
 
 OUT_DIR becomes a data-bin: train = distilled pairs, valid/test = copies of DATA_BIN's (real
 references), dict.*.txt = DATA_BIN's. Train the drafter on it with --task spec_translation.
---num-shards/--shard-id translate every N-th batch only (a subset on small machines, or one
-shard per GPU; merge by running the script per shard into separate directories).
+
+The training batches are split into --num-shards shards (shard I = every N-th batch from batch
+I); each translated shard is kept in OUT_DIR/shards/ as soon as it is done, and the data-bin is
+made from every shard there. Without --shard-id the script translates the shards not there yet,
+so a stopped run goes on where it stopped when started again (a long distillation on a CPU:
+--num-shards 10). With --shard-id only that shard is translated: a subset on a small machine, or
+one shard per GPU or machine, with the shard files copied into one OUT_DIR/shards/ at the end.
 """
 
 import argparse
+import hashlib
+import json
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,6 +30,32 @@ from spec_nmt.data_prep import filter_pair_lengths, run_fairseq_preprocess, tran
 from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger("distill")
+
+
+def check_same_settings(path: Path, settings) -> None:
+    """Shards made with another verifier, beam or batching must not be mixed: the first run
+    writes its settings, later runs must match them."""
+    if not path.is_file():
+        path.write_text(json.dumps(settings, indent=1) + "\n")
+        return
+    recorded = json.loads(path.read_text())
+    changed = sorted(key for key in settings if recorded.get(key) != settings[key])
+    if changed:
+        raise SpecNmtError(
+            f"{path.parent} holds translations made with other settings ({', '.join(changed)} "
+            "differ): remove that directory or choose another OUT_DIR"
+        )
+
+
+def read_shards(shard_dir: Path, num_shards: int):
+    """{sentence id: (source, hypothesis)} from every translated shard, in id order."""
+    pairs = {}
+    for path in sorted(shard_dir.glob(f"shard-*-of-{num_shards}.tsv")):
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                sentence_id, source, hypothesis = line.rstrip("\n").split("\t")
+                pairs[int(sentence_id)] = (source, hypothesis)
+    return dict(sorted(pairs.items()))
 
 
 def main():
@@ -33,8 +67,9 @@ def main():
     parser.add_argument("--target-lang", default="en")
     parser.add_argument("--beam", type=int, default=5, help="beam size of the verifier's translations")
     parser.add_argument("--max-tokens", type=int, default=8000, help="source tokens per batch")
-    parser.add_argument("--num-shards", type=int, default=1, help="translate every N-th batch ...")
-    parser.add_argument("--shard-id", type=int, default=0, help="... starting with this one")
+    parser.add_argument("--num-shards", type=int, default=1, help="split the batches into N shards")
+    parser.add_argument("--shard-id", type=int, default=None,
+                        help="translate this shard only (default: every shard not done yet)")
     parser.add_argument("--max-len", type=int, default=250, help="drop longer pairs (pieces)")
     parser.add_argument("--max-ratio", type=float, default=3.0,
                         help="drop pairs with a longer source/output length ratio (hallucinations)")
@@ -50,11 +85,33 @@ def main():
     if not args.verifier.is_file():
         raise SpecNmtError(f"verifier checkpoint {args.verifier} does not exist")
 
-    pairs = translate_subset(
-        args.data_bin, args.verifier, "train", args.beam, args.max_tokens,
-        languages=(src, tgt), cpu=args.cpu, shard=(args.shard_id, args.num_shards), extra=extra,
-    )  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.num_shards < 1 or not 0 <= (args.shard_id or 0) < args.num_shards:
+        raise SpecNmtError(f"--shard-id must be in [0, --num-shards), got {args.shard_id} of {args.num_shards}")
+    shard_dir = args.out_dir / "shards"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    check_same_settings(shard_dir / "settings.json", {
+        "verifier_sha256": hashlib.sha256(args.verifier.read_bytes()).hexdigest(),
+        "beam": args.beam, "max_tokens": args.max_tokens, "num_shards": args.num_shards,
+        "fairseq_generate_flags": extra,
+    })  # fmt: skip
+    wanted = range(args.num_shards) if args.shard_id is None else [args.shard_id]
+    for shard in wanted:
+        path = shard_dir / f"shard-{shard}-of-{args.num_shards}.tsv"
+        if path.is_file():
+            logger.info("%s is done: not translated again", path)
+            continue
+        pairs = translate_subset(
+            args.data_bin, args.verifier, "train", args.beam, args.max_tokens,
+            languages=(src, tgt), cpu=args.cpu, shard=(shard, args.num_shards), extra=extra,
+        )  # fmt: skip
+        partial = path.with_suffix(".partial")
+        with open(partial, "w", encoding="utf-8") as out:
+            for sentence_id, (source, hypothesis) in pairs.items():
+                out.write(f"{sentence_id}\t{source}\t{hypothesis}\n")
+        os.replace(partial, path)  # a shard file is complete or absent
+        logger.info("shard %d of %d: %d sentences in %s", shard, args.num_shards, len(pairs), path)
+
+    pairs = read_shards(shard_dir, args.num_shards)
     with tempfile.TemporaryDirectory() as tmp:
         prefix = Path(tmp) / "train"
         with open(f"{prefix}.{src}", "w", encoding="utf-8") as fs, \
@@ -63,8 +120,11 @@ def main():
                 fs.write(source + "\n")
                 ft.write(hypothesis + "\n")
         kept = filter_pair_lengths(f"{prefix}.{src}", f"{prefix}.{tgt}", args.max_len, args.max_ratio)
-        run_fairseq_preprocess(src, tgt, args.out_dir, trainpref=prefix,
+        # binarized aside, then moved in: fairseq-preprocess refuses a directory with a dictionary
+        run_fairseq_preprocess(src, tgt, Path(tmp) / "bin", trainpref=prefix,
                                srcdict=args.data_bin / f"dict.{src}.txt")
+        for path in (Path(tmp) / "bin").iterdir():
+            os.replace(path, args.out_dir / path.name)
     # Validation and test keep the real references: the drafter is judged on real data.
     for path in args.data_bin.iterdir():
         if path.name.startswith(("valid.", "test.")):

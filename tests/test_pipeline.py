@@ -114,6 +114,33 @@ def test_finish_verifier_averages_keeps_the_better_and_scores_the_test_set(pipel
     assert result["test_bleu"]["beam 1"] > 10 and result["test_bleu"]["beam 5"] > 10
 
 
+def shard_pairs(shard_dir):
+    lines = [line for path in shard_dir.glob("shard-*.tsv") for line in path.read_text().splitlines()]
+    return {int(line.split("\t")[0]): line for line in lines}
+
+
+def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path):
+    out = tmp_path / "distilled"
+    command = [sys.executable, "scripts/distill.py", pipeline["data"] / "bin", pipeline["verifier"],
+               out, "--beam", 1, "--cpu", "--num-shards", 3]  # fmt: skip
+    run(*command, "--shard-id", 1)  # as if stopped after one shard
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["settings.json", "shard-1-of-3.tsv"]
+    log = run(*command).stderr
+    assert "shard-1-of-3.tsv is done: not translated again" in log
+    assert len(re.findall(r"data_prep:running \S+ -m fairseq_cli.generate", log)) == 2  # shards 0, 2
+    # together, the shards are the distillation of the whole training set in one piece
+    whole = shard_pairs(pipeline["root"] / "distilled" / "shards")
+    training_pairs = (pipeline["data"] / "spm" / "train.de").read_text().splitlines()
+    assert shard_pairs(out / "shards") == whole and len(whole) == len(training_pairs)
+    assert (out / "train.de-en.en.bin").read_bytes() == (
+        pipeline["root"] / "distilled" / "train.de-en.en.bin"
+    ).read_bytes()
+    other_beam = subprocess.run([str(c) for c in command[:-2]] + ["--beam", "2"], cwd=REPO,
+                                capture_output=True, text=True)  # fmt: skip
+    assert other_beam.returncode != 0
+    assert "holds translations made with other settings (beam, num_shards differ)" in other_beam.stderr
+
+
 def test_drafter_started_from_the_verifier_encoder(pipeline):
     assert "initialised" in pipeline["drafter_log"] and "from the verifier" in pipeline["drafter_log"]
 
