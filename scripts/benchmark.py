@@ -28,6 +28,13 @@ draft, score, accept and commit, per batch size:
 (--ctranslate2 adds the verifier converted with CTranslate2, greedy in fp32 and int8, each run in
 a process of its own by scripts/ctranslate2_greedy.py.)
 
+What scoring a block of W entries costs the verifier against scoring one (a greedy step of the
+same scorer), per batch size; if every draft were accepted, an iteration of k drafts would emit
+k + 1 tokens for the cost of W = k + 1:
+
+    python scripts/benchmark.py block-cost MODEL_DIR --src valid.de --widths 1,2,4,8,11,16,26 \
+        --batch-sizes 1,32,64 --json BENCHMARKS-block-cost.json
+
 MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py);
 --drafter PATH replaces drafter.pt (e.g. an autoregressive drafter).
 Systems: fairseq greedy and beam 5 (stock SequenceGenerator), speculative lossless (beta 1,
@@ -58,6 +65,7 @@ from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.tree import chain
 from spec_nmt.decoding.settings import DEFAULTS
+from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 # the same output length limit for every system: the decoding default
@@ -405,6 +413,56 @@ def ceiling(args):
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
+# decoder inputs committed before the timed blocks: a sentence part-way through
+BLOCK_COST_PREFIX = 20
+
+
+def block_cost(args):
+    """Seconds per verifier call scoring W new entries after a committed prefix, per batch size
+    (the first batch-size lines of --src), relative to W = 1."""
+    pair = load_pair(args)
+    tokens = pair.encode(read_lines(args.src, args.lines))
+    verifier = TransformerVerifier(pair.verifier)
+    symbols = (pair.tgt_dict.nspecial, len(pair.tgt_dict))
+    rows = []
+    with torch.inference_mode():
+        for batch_size in args.batch_sizes:
+            if batch_size > len(tokens):
+                raise SystemExit(f"--batch-sizes {batch_size}: --src has only {len(tokens)} lines")
+            _, sample = next(pair.batches(tokens[:batch_size], batch_size))
+            state = verifier.start(sample["net_input"])
+            prefix = torch.randint(*symbols, (batch_size, BLOCK_COST_PREFIX))
+            verifier.score_logits(state, prefix)
+            order = torch.arange(BLOCK_COST_PREFIX).expand(batch_size, -1)
+            verifier.commit(state, order, torch.full((batch_size,), BLOCK_COST_PREFIX))
+            nothing = (order[:, :0], torch.zeros(batch_size, dtype=torch.long))
+            seconds = {}
+            for width in args.widths:
+                block = torch.randint(*symbols, (batch_size, width))
+                for timed in (False, True):  # warm-up calls first
+                    start = time.perf_counter()
+                    for _ in range(args.repeats if timed else 3):
+                        verifier.score_logits(state, block)
+                        verifier.commit(state, *nothing)  # the next block sees the same prefix
+                    seconds[width] = time.perf_counter() - start
+            one = seconds[min(args.widths)]
+            for width, total in seconds.items():
+                row = {"batch_size": batch_size, "width": width,
+                       "ms_per_call": round(1000 * total / args.repeats, 3),
+                       "cost_vs_narrowest": round(total / one, 2),
+                       "entries_per_narrowest_cost": round(width * one / total, 2)}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    result = {"mode": "block-cost", "prefix": BLOCK_COST_PREFIX, "repeats": args.repeats,
+              "environment": environment(), "rows": rows}  # fmt: skip
+    columns = [("batch_size", "batch"), ("width", "W"), ("ms_per_call", "ms per call"),
+               ("cost_vs_narrowest", "cost (× narrowest W)"),
+               ("entries_per_narrowest_cost", "entries per narrowest-W cost")]  # fmt: skip
+    print(table(columns, rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def ctranslate2_runs(args):
     """The verifier converted with CTranslate2's fairseq converter, greedy in fp32 and int8, each
     timed in a process of its own (scripts/ctranslate2_greedy.py; never beside torch), with its
@@ -567,7 +625,7 @@ def comma_list(kind):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["sweep", "run", "sampling", "ceiling"])
+    parser.add_argument("mode", choices=["sweep", "run", "sampling", "ceiling", "block-cost"])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--src", required=True, help="raw source sentences, one per line")
     parser.add_argument("--ref", default=None, help="raw reference translations (not for ceiling)")
@@ -598,16 +656,21 @@ def main():
                         help="sampling: chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH")
     parser.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32, 64],
                         help="ceiling: batch sizes to measure")
+    parser.add_argument("--widths", type=comma_list(int), default=[1, 2, 4, 8, 11, 16, 26],
+                        help="block-cost: block widths W (entries scored per verifier call)")
+    parser.add_argument("--repeats", type=int, default=50, help="block-cost: timed calls per width")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="ceiling: add CTranslate2 greedy rows (fp32, int8) of the same verifier "
                         "(pip install ctranslate2)")
     args = parser.parse_args()
-    if args.mode != "ceiling" and args.ref is None:
+    if args.mode not in ("ceiling", "block-cost") and args.ref is None:
         parser.error(f"{args.mode} needs --ref")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    {"sweep": sweep, "run": run, "sampling": sampling, "ceiling": ceiling}[args.mode](args)
+    modes = {"sweep": sweep, "run": run, "sampling": sampling, "ceiling": ceiling,
+             "block-cost": block_cost}  # fmt: skip
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

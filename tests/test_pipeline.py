@@ -215,6 +215,17 @@ def test_benchmark_ceiling_mode_accepts_every_oracle_draft(pipeline, tmp_path):
     assert rows[(4, "CTranslate2 4.8.5 greedy int8")]["ms_per_output_token"] > 0
 
 
+def test_benchmark_block_cost_mode_times_every_width_and_batch(pipeline, tmp_path):
+    out = tmp_path / "block-cost.json"
+    run(sys.executable, "scripts/benchmark.py", "block-cost", pipeline["model"],
+        "--src", pipeline["raw"] / "test.de", "--widths", "1,6", "--batch-sizes", "1,3",
+        "--repeats", 2, "--json", out)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["batch_size"], row["width"]) for row in rows] == [(1, 1), (1, 6), (3, 1), (3, 6)]
+    assert all(row["ms_per_call"] > 0 for row in rows)
+    assert [row["cost_vs_narrowest"] for row in rows if row["width"] == 1] == [1.0, 1.0]
+
+
 def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     out = tmp_path / "bench.json"
     run(sys.executable, "scripts/benchmark.py", "run", pipeline["model"],
