@@ -321,7 +321,7 @@ class PhaseTimer:
     each phase on one generator and its verifier and drafter."""
 
     PHASES = {
-        "encode": [("verifier", "start"), ("drafter", "start")],
+        "encode": [("verifier", "encode"), ("verifier", "start"), ("drafter", "start")],
         "draft": [("drafter", "propose")],
         "score": [("verifier", "score_logits")],
         "accept": [("generator", "_accept"), ("generator", "_constrain")],

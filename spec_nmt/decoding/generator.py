@@ -137,8 +137,10 @@ class SpeculativeGenerator:
         accepted = src_tokens.new_zeros(bsz)
         finalized: List[List[Dict]] = [[] for _ in range(bsz)]
 
-        verifier_state = self.verifier.start(net_input)
-        drafter_state = self.drafter.start(net_input, verifier_state.encoder_out)
+        encoder_out = self.verifier.encode(net_input)
+        verifier_state = self.verifier.start(net_input, encoder_out)
+        drafter_state = self.drafter.start(net_input, encoder_out)
+        del encoder_out  # the states hold what they need of it
         # Empty source lines (the appended EOS only) get an empty translation without running
         # the decoder; a typed "</s>" is text and gets translated, as by SequenceGenerator.
         has_source = src_lengths > 1

@@ -35,17 +35,15 @@ INITIAL_CACHE_SLOTS = 64
 
 
 class VerifierState:
-    """Per-batch decoding state: encoder output and its attention keys/values, the self-attention
-    cache and each row's committed length."""
+    """Per-batch decoding state: the encoder output's attention keys/values (the encoder output
+    itself is not kept: nothing reads it after they are projected), the self-attention cache
+    and each row's committed length."""
 
-    def __init__(self, encoder_out: Dict, encoder_keys: List[Tensor],
+    def __init__(self, batch: int, device: torch.device, encoder_keys: List[Tensor],
                  encoder_values: List[Tensor], encoder_bias: Optional[Tensor]):  # fmt: skip
-        self.encoder_out = encoder_out
         self.encoder_keys = encoder_keys  # per layer [B, heads, source length, head_dim]
         self.encoder_values = encoder_values
         self.encoder_bias = encoder_bias  # [B, 1, 1, source length]: -inf at source padding
-        batch = encoder_out["encoder_out"][0].size(1)
-        device = encoder_out["encoder_out"][0].device
         self.fed_lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.uncommitted = 0  # block entries scored since the last commit (every row alike)
         self.keys: List[Tensor] = []  # per layer [B, heads, capacity, head_dim]
@@ -96,16 +94,21 @@ class TransformerVerifier:
     def max_positions(self) -> int:
         return self.decoder.max_positions()
 
+    def encode(self, net_input: Dict[str, Tensor]) -> Dict:
+        """The encoder output for the batch (fairseq's ``encoder_out`` dict)."""
+        return self.model.encoder.forward_torchscript(net_input)
+
     def start(
         self, net_input: Dict[str, Tensor], encoder_out: Optional[Dict] = None
     ) -> VerifierState:
-        """Run the encoder once for the batch (or take ``encoder_out``, another model's: the
-        cached drafter reads the verifier's) and project it for every layer's encoder
-        attention; nothing is cached for the decoder yet."""
+        """Project the batch's encoder output (``encoder_out``, from ``encode`` or another
+        model's: the cached drafter reads the verifier's; by default encoded here) for every
+        layer's encoder attention; nothing is cached for the decoder yet."""
         if encoder_out is None:
-            encoder_out = self.model.encoder.forward_torchscript(net_input)
-        encoder_attention = block_forward.encoder_keys_values(self.decoder, encoder_out)
-        return VerifierState(encoder_out, *encoder_attention)
+            encoder_out = self.encode(net_input)
+        encoded = encoder_out["encoder_out"][0]  # [source length, B, C]
+        return VerifierState(encoded.size(1), encoded.device,
+                             *block_forward.encoder_keys_values(self.decoder, encoder_out))
 
     def score_logits(
         self,
@@ -204,7 +207,6 @@ class TransformerVerifier:
 
     def select_rows(self, state: VerifierState, rows: Tensor) -> None:
         """Keep only ``rows`` of the batch (finished sentences leave), in place."""
-        state.encoder_out = self.model.encoder.reorder_encoder_out(state.encoder_out, rows)
         for caches in (state.keys, state.values, state.encoder_keys, state.encoder_values):
             caches[:] = [cache.index_select(0, rows) for cache in caches]
         if state.encoder_bias is not None:
