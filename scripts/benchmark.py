@@ -655,7 +655,7 @@ def main():
                         default=[draft_plan(x) for x in ("chain:6", "rsd-c:2-1-1", "rsd-s:2x3")],
                         help="sampling: chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH")
     parser.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32, 64],
-                        help="ceiling: batch sizes to measure")
+                        help="ceiling, block-cost: batch sizes to measure")
     parser.add_argument("--widths", type=comma_list(int), default=[1, 2, 4, 8, 11, 16, 26],
                         help="block-cost: block widths W (entries scored per verifier call)")
     parser.add_argument("--repeats", type=int, default=50, help="block-cost: timed calls per width")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from fairseq import checkpoint_utils, tasks
 
-from spec_nmt.checkpoint_loading import save_checkpoint  # also: torch.load of fairseq checkpoints
+# (importing spec_nmt also lets torch.load read fairseq checkpoints)
+from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.errors import SpecNmtError
 
 

@@ -47,15 +47,24 @@ def check_same_settings(path: Path, settings) -> None:
         )
 
 
+def shard_path(shard_dir: Path, shard: int, num_shards: int) -> Path:
+    return shard_dir / f"shard-{shard}-of-{num_shards}.tsv"
+
+
 def read_shards(shard_dir: Path, num_shards: int):
-    """{sentence id: (source, hypothesis)} from every translated shard, in id order."""
-    pairs = {}
-    for path in sorted(shard_dir.glob(f"shard-*-of-{num_shards}.tsv")):
+    """({sentence id: (source, hypothesis)} from every translated shard in id order, the ids of
+    the shards not translated)."""
+    pairs, missing = {}, []
+    for shard in range(num_shards):
+        path = shard_path(shard_dir, shard, num_shards)
+        if not path.is_file():
+            missing.append(shard)
+            continue
         with open(path, encoding="utf-8") as lines:
             for line in lines:
                 sentence_id, source, hypothesis = line.rstrip("\n").split("\t")
                 pairs[int(sentence_id)] = (source, hypothesis)
-    return dict(sorted(pairs.items()))
+    return dict(sorted(pairs.items())), missing
 
 
 def main():
@@ -77,7 +86,8 @@ def main():
     args, extra = parser.parse_known_args()
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
+    logging.basicConfig(level=logging.INFO, force=True,  # fairseq's import configured it already
+                        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     src, tgt = args.source_lang, args.target_lang
     for name in (f"dict.{src}.txt", f"dict.{tgt}.txt", f"train.{src}-{tgt}.{src}.bin"):
         if not (args.data_bin / name).is_file():
@@ -86,17 +96,21 @@ def main():
         raise SpecNmtError(f"verifier checkpoint {args.verifier} does not exist")
 
     if args.num_shards < 1 or not 0 <= (args.shard_id or 0) < args.num_shards:
-        raise SpecNmtError(f"--shard-id must be in [0, --num-shards), got {args.shard_id} of {args.num_shards}")
+        raise SpecNmtError(
+            f"--shard-id must be in [0, --num-shards), got {args.shard_id} of {args.num_shards}"
+        )
     shard_dir = args.out_dir / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
+    with open(args.verifier, "rb") as checkpoint:
+        verifier_digest = hashlib.file_digest(checkpoint, "sha256").hexdigest()
     check_same_settings(shard_dir / "settings.json", {
-        "verifier_sha256": hashlib.sha256(args.verifier.read_bytes()).hexdigest(),
-        "beam": args.beam, "max_tokens": args.max_tokens, "num_shards": args.num_shards,
-        "fairseq_generate_flags": extra,
+        "data_bin": str(args.data_bin.resolve()), "languages": [src, tgt],
+        "verifier_sha256": verifier_digest, "beam": args.beam, "max_tokens": args.max_tokens,
+        "num_shards": args.num_shards, "fairseq_generate_flags": extra,
     })  # fmt: skip
     wanted = range(args.num_shards) if args.shard_id is None else [args.shard_id]
     for shard in wanted:
-        path = shard_dir / f"shard-{shard}-of-{args.num_shards}.tsv"
+        path = shard_path(shard_dir, shard, args.num_shards)
         if path.is_file():
             logger.info("%s is done: not translated again", path)
             continue
@@ -111,8 +125,11 @@ def main():
         os.replace(partial, path)  # a shard file is complete or absent
         logger.info("shard %d of %d: %d sentences in %s", shard, args.num_shards, len(pairs), path)
 
-    pairs = read_shards(shard_dir, args.num_shards)
-    with tempfile.TemporaryDirectory() as tmp:
+    pairs, missing = read_shards(shard_dir, args.num_shards)
+    if missing:
+        logger.warning("shards %s of %d are not translated: the data-bin is a subset",
+                       ", ".join(map(str, missing)), args.num_shards)  # fmt: skip
+    with tempfile.TemporaryDirectory(dir=args.out_dir) as tmp:  # same file system: os.replace
         prefix = Path(tmp) / "train"
         with open(f"{prefix}.{src}", "w", encoding="utf-8") as fs, \
                 open(f"{prefix}.{tgt}", "w", encoding="utf-8") as ft:

@@ -16,22 +16,17 @@ from pathlib import Path
 
 from fairseq import checkpoint_utils
 
-from spec_nmt.checkpoint_loading import save_checkpoint  # also: torch.load of fairseq checkpoints
+# (importing spec_nmt also lets torch.load read fairseq checkpoints)
+from spec_nmt.checkpoint_loading import map_tied, save_checkpoint
 from spec_nmt.errors import SpecNmtError
 
 
 def compact_checkpoint(src: Path, dst: Path) -> int:
     """fp16 weights, no optimizer state, no machine-specific paths. Returns the file size."""
     state = checkpoint_utils.load_checkpoint_to_cpu(str(src))
-    # Tied weights (shared embeddings, output projection) must stay one tensor, or the file
-    # stores each copy.
-    converted = {}
-    for name, tensor in state["model"].items():
-        if tensor.is_floating_point():
-            key = (tensor.data_ptr(), tuple(tensor.shape))
-            converted.setdefault(key, tensor.half())
-            tensor = converted[key]
-        state["model"][name] = tensor
+    state["model"] = map_tied(
+        state["model"], lambda _, tensor: tensor.half() if tensor.is_floating_point() else tensor
+    )
     state["last_optimizer_state"] = None
     state["optimizer_history"] = state.get("optimizer_history", [])[-1:]
     cfg = state["cfg"]
@@ -40,6 +35,8 @@ def compact_checkpoint(src: Path, dst: Path) -> int:
     cfg.checkpoint.save_dir = "."
     if getattr(cfg.model, "init_from_verifier", None):
         cfg.model.init_from_verifier = None
+    if getattr(cfg.task, "eval_acceptance_verifier", None):  # a training-time path
+        cfg.task.eval_acceptance_verifier = None
     save_checkpoint(state, dst)
     return dst.stat().st_size
 

@@ -25,7 +25,8 @@ import sacrebleu
 import sentencepiece
 from fairseq import checkpoint_utils
 
-from spec_nmt.checkpoint_loading import save_checkpoint  # also: torch.load of fairseq checkpoints
+# (importing spec_nmt also lets torch.load read fairseq checkpoints)
+from spec_nmt.checkpoint_loading import map_tied, save_checkpoint
 from spec_nmt.data_prep import translate_subset
 from spec_nmt.errors import SpecNmtError
 
@@ -62,16 +63,17 @@ def average_checkpoints(paths, out: Path) -> None:
         else:
             for name, tensor in weights.items():
                 total[name] += tensor.double()
-    state["model"] = {
-        name: (summed / len(paths)).to(state["model"][name].dtype) for name, summed in total.items()
-    }
+    state["model"] = map_tied(
+        state["model"], lambda name, tensor: (total[name] / len(paths)).to(tensor.dtype)
+    )
     state["last_optimizer_state"] = None
     save_checkpoint(state, out)
 
 
 def bleu(checkpoint: Path, subset: str, beam: int, args) -> float:
     """sacreBLEU of the checkpoint's translations of a split against its raw references."""
-    references = (args.raw / f"{subset}.{args.target_lang}").read_text(encoding="utf-8").splitlines()
+    reference_file = args.raw / f"{subset}.{args.target_lang}"
+    references = reference_file.read_text(encoding="utf-8").splitlines()
     translated = translate_subset(
         args.data_bin, checkpoint, subset, beam, args.max_tokens,
         languages=(args.source_lang, args.target_lang), cpu=args.cpu,
@@ -79,7 +81,7 @@ def bleu(checkpoint: Path, subset: str, beam: int, args) -> float:
     if len(translated) != len(references):
         raise SpecNmtError(
             f"{args.data_bin} has {len(translated)} {subset} sentences, "
-            f"{args.raw / f'{subset}.{args.target_lang}'} {len(references)} lines: not the same split"
+            f"{reference_file} {len(references)} lines: not the same split"
         )
     if args.spm_model:
         processor = sentencepiece.SentencePieceProcessor(model_file=str(args.spm_model))
@@ -108,7 +110,8 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="translate on the CPU")
     parser.add_argument("--json", type=Path, default=None, help="write the scores here")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(message)s")
+    logging.basicConfig(level=logging.INFO, force=True,  # fairseq's import configured it already
+                        format="%(asctime)s | %(levelname)s | %(message)s")
     best = args.run_dir / "checkpoint_best.pt"
     if not best.is_file():
         raise SpecNmtError(f"{best} is missing: RUN_DIR must be a fairseq-train --save-dir")

@@ -7,10 +7,12 @@ a model directory); wrapping fairseq's two loaders turns these into one line nam
 """
 
 import functools
+from typing import Callable, Dict
 
 import torch
 from fairseq import checkpoint_utils
 from omegaconf import OmegaConf
+from torch import Tensor
 
 from spec_nmt.errors import SpecNmtError
 from spec_nmt_torch_load import allow_fairseq_checkpoint_types
@@ -18,11 +20,22 @@ from spec_nmt_torch_load import allow_fairseq_checkpoint_types
 allow_fairseq_checkpoint_types()  # also done at fairseq import where spec-nmt is installed
 
 
+def map_tied(weights: Dict[str, Tensor], convert: Callable[[str, Tensor], Tensor]):
+    """``weights`` with ``convert(name, tensor)`` applied once per tensor: names that share one
+    (tied embeddings and output projection) still share the result, so a saved file stores
+    it once."""
+    converted = {}
+    for name, tensor in weights.items():
+        converted.setdefault((tensor.data_ptr(), tuple(tensor.shape)), convert(name, tensor))
+    return {name: converted[(t.data_ptr(), tuple(t.shape))] for name, t in weights.items()}
+
+
 def save_checkpoint(state, path) -> None:
     """Save a state from ``checkpoint_utils.load_checkpoint_to_cpu`` as fairseq saves one: the
     configuration as plain containers, which torch.load(weights_only=True) accepts."""
     if OmegaConf.is_config(state.get("cfg")):
-        state = dict(state, cfg=OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True))
+        plain = OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True)
+        state = dict(state, cfg=plain)
     torch.save(state, path)
 
 

@@ -133,7 +133,7 @@ def translate_subset(data_bin, checkpoint, subset, beam, max_tokens, languages=(
             if kind == "S":
                 sources[sentence_id] = fields[1]
             else:
-                hypotheses[sentence_id] = fields[2] if len(fields) > 2 else ""
+                hypotheses[sentence_id] = fields[2]
                 if len(hypotheses) % 5000 == 0:
                     logger.info("%d sentences translated", len(hypotheses))
     if proc.returncode != 0:

@@ -98,9 +98,10 @@ def toy(tmp_path_factory):
     train_drafter(data_bin, root / "untrained_drafter", 1)
     verifier = root / "verifier" / "checkpoint_last.pt"
     cached_log = train_drafter(
-        data_bin, root / "cached_drafter", 300, "--arch", "cached_drafter", "--cuts-per-sentence", 3,
-        "--init-from-verifier", verifier, "--eval-acceptance-verifier", verifier, "--beta", 3,
-        "--tau", 1, "--best-checkpoint-metric", "accepted_lossless", "--maximize-best-checkpoint-metric",
+        data_bin, root / "cached_drafter", 300, "--arch", "cached_drafter",
+        "--cuts-per-sentence", 3, "--init-from-verifier", verifier,
+        "--eval-acceptance-verifier", verifier, "--beta", 3, "--tau", 1,
+        "--best-checkpoint-metric", "accepted_lossless", "--maximize-best-checkpoint-metric",
     )  # fmt: skip
     return {
         "root": root,

@@ -87,17 +87,23 @@ def test_finish_verifier_averages_keeps_the_better_and_scores_the_test_set(pipel
         "--raw", pipeline["raw"], "--spm-model", data / "spm.model", "--last", 3, "--cpu",
         "--json", out)  # fmt: skip
     result = json.loads(out.read_text())
-    updates = [int(re.fullmatch(r"checkpoint_\d+_(\d+)\.pt", name).group(1)) for name in result["averaged"]]
+    updates = [int(re.fullmatch(r"checkpoint_\d+_(\d+)\.pt", name).group(1))
+               for name in result["averaged"]]  # fmt: skip
     assert updates == [150, 200, 250]  # the last three
 
     def weights(name):
         return torch.load(run_dir / name, weights_only=False)["model"]
 
     parts = [weights(name) for name in result["averaged"]]
-    for name, tensor in weights("checkpoint_avg3.pt").items():
+    averaged = weights("checkpoint_avg3.pt")
+    for name, tensor in averaged.items():
         torch.testing.assert_close(tensor, sum(p[name] for p in parts) / 3, rtol=1e-6, atol=1e-7)
+    tied = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+            "decoder.output_projection.weight")  # --share-all-embeddings: stored once
+    assert len({averaged[name].data_ptr() for name in tied}) == 1
     valid = result["valid_greedy_bleu"]
-    assert result["kept"] == max(valid, key=valid.get)
+    assert set(valid) == {"checkpoint_best.pt", "checkpoint_avg3.pt"}
+    assert valid[result["kept"]] == max(valid.values())
     for name, tensor in weights("checkpoint_final.pt").items():
         assert torch.equal(tensor, weights(result["kept"])[name])
     # fairseq's own sacreBLEU scorer (references decoded from the data-bin, which for the toy
@@ -115,7 +121,8 @@ def test_finish_verifier_averages_keeps_the_better_and_scores_the_test_set(pipel
 
 
 def shard_pairs(shard_dir):
-    lines = [line for path in shard_dir.glob("shard-*.tsv") for line in path.read_text().splitlines()]
+    paths = shard_dir.glob("shard-*.tsv")
+    lines = [line for path in paths for line in path.read_text().splitlines()]
     return {int(line.split("\t")[0]): line for line in lines}
 
 
@@ -124,10 +131,11 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     command = [sys.executable, "scripts/distill.py", pipeline["data"] / "bin", pipeline["verifier"],
                out, "--beam", 1, "--cpu", "--num-shards", 3]  # fmt: skip
     run(*command, "--shard-id", 1)  # as if stopped after one shard
-    assert sorted(p.name for p in (out / "shards").iterdir()) == ["settings.json", "shard-1-of-3.tsv"]
+    shards = sorted(p.name for p in (out / "shards").iterdir())
+    assert shards == ["settings.json", "shard-1-of-3.tsv"]
     log = run(*command).stderr
     assert "shard-1-of-3.tsv is done: not translated again" in log
-    assert len(re.findall(r"data_prep:running \S+ -m fairseq_cli.generate", log)) == 2  # shards 0, 2
+    assert len(re.findall(r"running \S+ -m fairseq_cli.generate", log)) == 2  # shards 0 and 2
     # together, the shards are the distillation of the whole training set in one piece
     whole = shard_pairs(pipeline["root"] / "distilled" / "shards")
     training_pairs = (pipeline["data"] / "spm" / "train.de").read_text().splitlines()
@@ -138,7 +146,8 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     other_beam = subprocess.run([str(c) for c in command[:-2]] + ["--beam", "2"], cwd=REPO,
                                 capture_output=True, text=True)  # fmt: skip
     assert other_beam.returncode != 0
-    assert "holds translations made with other settings (beam, num_shards differ)" in other_beam.stderr
+    refusal = "holds translations made with other settings (beam, num_shards differ)"
+    assert refusal in other_beam.stderr
 
 
 def test_drafter_started_from_the_verifier_encoder(pipeline):

@@ -22,6 +22,7 @@ from typing import Dict, Optional
 import torch
 from fairseq import checkpoint_utils, metrics
 from fairseq.dataclass import ChoiceEnum
+from fairseq.logging.meters import safe_round
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
@@ -181,6 +182,10 @@ class SpecTranslationTask(TranslationTask):
         drafter_sample = self.drafter_sample(sample, model, generator)
         loss, sample_size, logging_output = super().valid_step(drafter_sample, model, criterion)
         if self.cfg.eval_acceptance_verifier:
+            if type(model).__name__ == "FullyShardedDataParallel":  # its parameters are sharded
+                raise SpecNmtError(
+                    "--eval-acceptance-verifier does not work with --ddp-backend fully_sharded"
+                )
             logging_output.update(self._acceptance_counts(sample, _unwrapped(model)))
         return loss, sample_size, logging_output
 
@@ -208,27 +213,29 @@ class SpecTranslationTask(TranslationTask):
 
     def _verifier_for_acceptance(self, drafter_model):
         if self._acceptance_verifier is None:
-            path = self.cfg.eval_acceptance_verifier
-            if not os.path.isfile(path):
-                raise SpecNmtError(f"--eval-acceptance-verifier {path}: no such file")
-            (verifier,), _ = checkpoint_utils.load_model_ensemble([path], task=self)
+            flag, path = "--eval-acceptance-verifier", self.cfg.eval_acceptance_verifier
+            verifier = self._load_beside(path, _read_checkpoint(flag, path), drafter_model)
             if isinstance(verifier, SpecDrafterModel):
                 raise SpecNmtError(
-                    f"--eval-acceptance-verifier {path} is a drafter; give the verifier "
-                    "(a Transformer trained with --task translation)"
+                    f"{flag} {path} is a drafter; give the verifier (a Transformer trained "
+                    "with --task translation)"
                 )
             if isinstance(drafter_model, CachedDrafterModel):
                 drafter_model.check_encoder_matches(verifier)
-            reference = next(drafter_model.parameters())
-            self._acceptance_verifier = verifier.to(reference.device, reference.dtype).eval()
-            names = " and ".join(
+            self._acceptance_verifier = verifier
+            rules = " and ".join(
                 f"{name} (beta {s.beta}, tau {s.tau:g})"
                 for name, s in self.acceptance_settings().items()
             )
-            logger.info(
-                f"validation decodes with the verifier {path} at k={self.cfg.block_size}: {names}"
-            )
+            logger.info("validation decodes with the verifier %s at k=%d: %s", path,
+                        self.cfg.block_size, rules)  # fmt: skip
         return self._acceptance_verifier
+
+    def _load_beside(self, path: str, state, reference_model):
+        """The model of a checkpoint, on the device and in the dtype of ``reference_model``."""
+        (model,), _ = checkpoint_utils.load_model_ensemble([path], task=self, state=state)
+        reference = next(reference_model.parameters())
+        return model.to(device=reference.device, dtype=reference.dtype).eval()
 
     def reduce_metrics(self, logging_outputs, criterion):
         super().reduce_metrics(logging_outputs, criterion)
@@ -241,7 +248,7 @@ class SpecTranslationTask(TranslationTask):
             metrics.log_scalar(f"_{name}_iterations", iterations)
             metrics.log_derived(
                 name,
-                lambda meters, n=name: round(
+                lambda meters, n=name: safe_round(
                     meters[f"_{n}_drafts"].sum / meters[f"_{n}_iterations"].sum, 3
                 ),
             )
@@ -323,9 +330,7 @@ class SpecTranslationTask(TranslationTask):
         """Load a drafter checkpoint onto the verifier's device and dtype (its linear layers in
         int8 with --drafter-int8): a Spec-Drafter, a cached drafter, or a stock Transformer
         translation model (autoregressive drafter)."""
-        if not os.path.isfile(path):
-            raise SpecNmtError(f"--drafter-path {path}: no such file")
-        state = checkpoint_utils.load_checkpoint_to_cpu(path)
+        state = _read_checkpoint("--drafter-path", path)
         arch = _checkpoint_arch(state)
         autoregressive = arch is not None and arch.startswith("transformer")
         drafter_arch = arch is not None and arch.startswith(("spec_drafter", "cached_drafter"))
@@ -344,9 +349,7 @@ class SpecTranslationTask(TranslationTask):
                     f"dictionary in {self.cfg.data} has {len(self.target_dictionary)}: drafter "
                     "and verifier must share the data directory's dictionary"
                 )
-        (model,), _ = checkpoint_utils.load_model_ensemble([path], task=self, state=state)
-        reference = next(verifier_model.parameters())
-        model = model.to(device=reference.device, dtype=reference.dtype).eval()
+        model = self._load_beside(path, state, verifier_model)
         if isinstance(model, CachedDrafterModel):
             model.check_encoder_matches(verifier_model)
         if self.cfg.drafter_int8:
@@ -383,6 +386,12 @@ def tolerant_stdin() -> None:
             sys.stdin.reconfigure(errors="replace", newline="\n")
         except (OSError, ValueError):  # already read from (e.g. the API in a REPL): leave it
             pass
+
+
+def _read_checkpoint(flag: str, path: str):
+    if not os.path.isfile(path):
+        raise SpecNmtError(f"{flag} {path}: no such file")
+    return checkpoint_utils.load_checkpoint_to_cpu(path)
 
 
 def drafter_adapter(model, dictionary):
