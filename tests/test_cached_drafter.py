@@ -2,6 +2,8 @@
 pattern, its cached iterations equal a full recomputation, and it refuses other verifiers."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from spec_nmt.decoding.drafters import CachedDrafter
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import cut_visibility
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
-from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq, train_drafter, train_losses
+from tests.conftest import BLOCK_SIZE, REPO, USER_DIR, fairseq, train_drafter, train_losses
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +141,20 @@ def test_acceptance_verifier_must_be_a_verifier(toy, tmp_path):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
     assert errors and "is a drafter; give the verifier" in errors[0], result.stderr[-2000:]
+
+
+def test_learning_curve_lists_each_validation_once(toy, tmp_path):
+    """scripts/learning_curve.py over a log given twice (as a resumed run's logs repeat
+    validations): one row per validation, the logged values."""
+    log = tmp_path / "train.log"
+    log.write_text(toy["cached_drafter_log"])
+    script = REPO / "scripts" / "learning_curve.py"
+    table = subprocess.run(
+        [sys.executable, script, log, log, "--metrics", "accepted_lossless"],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    rows = [line.strip("| ").split(" | ") for line in table[2:]]
+    log_text = toy["cached_drafter_log"]
+    updates = validation_metric(log_text, "num_updates")
+    assert [int(update) for _, update, _ in rows] == sorted(set(int(u) for u in updates))
+    assert [float(value) for *_, value in rows] == validation_metric(log_text, "accepted_lossless")
