@@ -7,7 +7,7 @@ a model directory); wrapping fairseq's two loaders turns these into one line nam
 """
 
 import functools
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from fairseq import checkpoint_utils
@@ -28,6 +28,15 @@ def map_tied(weights: Dict[str, Tensor], convert: Callable[[str, Tensor], Tensor
     for name, tensor in weights.items():
         converted.setdefault((tensor.data_ptr(), tuple(tensor.shape)), convert(name, tensor))
     return {name: converted[(t.data_ptr(), tuple(t.shape))] for name, t in weights.items()}
+
+
+def model_config(state) -> Optional[Any]:
+    """The model configuration saved in a checkpoint state (``cfg.model``, or the ``args`` of
+    older fairseq checkpoints); its options read with ``getattr``."""
+    cfg = state.get("cfg")
+    if cfg is not None and cfg.get("model") is not None:
+        return cfg["model"]
+    return state.get("args")
 
 
 def save_checkpoint(state, path) -> None:

@@ -3,6 +3,7 @@ fairseq-preprocess -> verifier (scripts/train_verifier.sh) -> distillation -> dr
 from the verifier's encoder (scripts/train_drafter.sh) -> compact model directory ->
 `make translate` and scripts/benchmark.py."""
 
+import argparse
 import io
 import json
 import os
@@ -14,9 +15,13 @@ import tarfile
 
 import pytest
 import torch
+from fairseq import checkpoint_utils
+from fairseq.data import data_utils
+from omegaconf import OmegaConf
 
 from spec_nmt.data_prep import check_raw_dir
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.models.spec_drafter import adopt_verifier_layout
 from tests.conftest import BIN, REPO, TINY_DRAFTER, TINY_TRANSFORMER, fairseq
 from tests.toy_corpus import make_pairs, write_corpus
 
@@ -252,6 +257,40 @@ def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     assert result["environment"]["torch"] == torch.__version__
 
 
+def test_a_drafter_from_a_pre_norm_verifier_computes_the_verifiers_encoder(pipeline, tmp_path):
+    """The small recipe's verifier is pre-norm, the drafter presets are not: started from it, the
+    cached drafter takes its layout, so the frozen encoder it trains on computes exactly what the
+    verifier's computes at decoding time."""
+    run("scripts/train_drafter.sh", pipeline["root"] / "distilled", tmp_path, "cached_small",
+        *TINY_DRAFTER_SHAPE, "--block-size", 5, *TINY_OVERRIDES, "--max-update", 1,
+        "--init-from-verifier", pipeline["verifier"], "--disable-validation")  # fmt: skip
+    (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(tmp_path / "checkpoint_last.pt")], arg_overrides={"data": str(pipeline["data"] / "bin")}
+    )
+    (verifier,), _ = checkpoint_utils.load_model_ensemble([str(pipeline["verifier"])], task=task)
+    assert verifier.encoder.layer_norm is not None  # pre-norm
+    assert drafter.encoder.layer_norm is not None and drafter.decoder.layers[0].normalize_before
+    drafter.check_encoder_matches(verifier)
+    task.load_dataset("valid")
+    sources = [task.datasets["valid"][i]["source"] for i in range(8)]
+    batch = data_utils.collate_tokens(sources, task.source_dictionary.pad(), left_pad=True)
+    lengths = batch.ne(task.source_dictionary.pad()).sum(1)
+    with torch.no_grad():
+        ours = drafter.eval().encoder(batch, src_lengths=lengths)["encoder_out"][0]
+        theirs = verifier.eval().encoder(batch, src_lengths=lengths)["encoder_out"][0]
+    assert torch.equal(ours, theirs)
+
+
+def test_verifier_layout_is_adopted_by_namespace_and_hydra_configs():
+    verifier = argparse.Namespace(encoder_normalize_before=True, activation_fn="gelu")
+    hydra = OmegaConf.create({"encoder_normalize_before": False, "dropout": 0.1})
+    OmegaConf.set_struct(hydra, True)  # as fairseq's: new keys need open_dict
+    for drafter in (argparse.Namespace(encoder_normalize_before=False, dropout=0.1), hydra):
+        adopt_verifier_layout(drafter, verifier, "verifier.pt")
+        assert drafter.encoder_normalize_before is True and drafter.activation_fn == "gelu"
+        assert drafter.dropout == 0.1
+
+
 def test_init_from_verifier_rejects_a_different_encoder_shape(toy, tmp_path):
     result = fairseq(
         "train", toy["bin"], "--user-dir", REPO / "spec_nmt", "--task", "spec_translation",
@@ -323,7 +362,7 @@ def test_hydra_configs_train(toy, tmp_path, config_dir):
 
     if config_dir == "drafter":
         failed = hydra_train(f"+model.init_from_verifier={tmp_path / 'missing.pt'}")
-        assert failed.returncode != 0 and "missing.pt does not exist" in failed.stderr
+        assert failed.returncode != 0 and "missing.pt: no such file" in failed.stderr
     result = hydra_train()
     assert result.returncode == 0, result.stderr[-3000:]
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)

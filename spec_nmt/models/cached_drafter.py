@@ -126,12 +126,14 @@ class CachedDrafterModel(SpecDrafterModel):
         """Refuse a verifier whose encoder is not the one this drafter was trained on."""
         own = self.encoder.state_dict()
         theirs = verifier_model.encoder.state_dict()
-        for name, value in own.items():
-            other = theirs.get(name)
-            if name.endswith("embed_tokens.weight") and other is not None:
+        # both ways: a tensor only one side has (a pre-norm encoder's final norm) differs too
+        for name in sorted(own.keys() | theirs.keys()):
+            value, other = own.get(name), theirs.get(name)
+            if name.endswith("embed_tokens.weight") and None not in (value, other):
                 value = value[: other.size(0)]  # the drafter's row for [MASK] is extra
             if (
-                other is None
+                value is None
+                or other is None
                 or other.shape != value.shape
                 or not torch.equal(other.to(value), value)
             ):

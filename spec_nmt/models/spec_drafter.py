@@ -10,7 +10,6 @@ drafter's ids match the verifier's, which is trained on the unchanged dictionary
 
 import hashlib
 import logging
-import os
 from types import SimpleNamespace
 
 import torch
@@ -20,12 +19,38 @@ from fairseq.models.transformer import (
     TransformerModel,
     base_architecture,
 )
+from omegaconf import OmegaConf, open_dict
 
 from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger(__name__)
 
 MASK_SYMBOL = "[MASK]"
+
+
+# fairseq options that change what the verifier's tensors compute without changing their shapes.
+# A drafter started from a verifier takes the verifier's values, so that the encoder it copies
+# (and a cached drafter's copied decoder layers) computes what it computed in the verifier.
+VERIFIER_LAYOUT = (
+    "encoder_normalize_before", "decoder_normalize_before", "layernorm_embedding",
+    "no_scale_embedding", "encoder_learned_pos", "decoder_learned_pos",
+    "no_token_positional_embeddings", "activation_fn",
+)  # fmt: skip
+
+
+def adopt_verifier_layout(model_cfg, verifier_cfg, path) -> None:
+    """Give the drafter configuration ``model_cfg`` the verifier's values of VERIFIER_LAYOUT
+    (read from ``verifier_cfg``, the model configuration saved in ``path``)."""
+    for name in VERIFIER_LAYOUT:
+        value = getattr(verifier_cfg, name, None)
+        if value is None or getattr(model_cfg, name, None) == value:
+            continue
+        logger.info("--init-from-verifier: %s = %s, as in %s", name, value, path)
+        if OmegaConf.is_config(model_cfg):
+            with open_dict(model_cfg):
+                model_cfg[name] = value
+        else:
+            setattr(model_cfg, name, value)
 
 
 def dictionary_fingerprint(dictionary) -> str:
@@ -102,15 +127,11 @@ class SpecDrafterModel(TransformerModel):
         always, the token embeddings and output projection), SpecDec's drafter initialisation."""
         return ("encoder.",)
 
-    def initialize_from_verifier(self, path):
-        """Copy the verifier's tensors named by ``verifier_parts`` where the drafter has them.
-        The drafter's dictionary is the verifier's plus [MASK] at the end, so vocabulary rows
-        line up; the [MASK] row keeps its random init."""
-        from fairseq import checkpoint_utils
-
-        if not os.path.isfile(path):
-            raise SpecNmtError(f"--init-from-verifier: {path} does not exist")
-        verifier_state = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
+    def initialize_from_verifier(self, path, checkpoint):
+        """Copy the tensors named by ``verifier_parts`` from ``checkpoint`` (the verifier's, read
+        from ``path``) where the drafter has them. The drafter's dictionary is the verifier's plus
+        [MASK] at the end, so vocabulary rows line up; the [MASK] row keeps its random init."""
+        verifier_state = checkpoint["model"]
         own_state = self.state_dict()
         copied = {}
         for name, value in verifier_state.items():

@@ -26,6 +26,7 @@ from fairseq.logging.meters import safe_round
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from spec_nmt.checkpoint_loading import model_config
 from spec_nmt.decoding.drafters import ArDrafter, CachedDrafter, NarDrafter
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
@@ -33,7 +34,7 @@ from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.settings import DEFAULT_TREE_BRANCHING, DEFAULTS, DecodingSettings
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import CachedDrafterModel
-from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel
+from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel, adopt_verifier_layout
 
 logger = logging.getLogger(__name__)
 
@@ -155,20 +156,24 @@ class SpecTranslationTask(TranslationTask):
 
     # ----- training the drafter -------------------------------------------------------------
     def build_model(self, cfg, from_checkpoint=False):
+        init_path = getattr(cfg, "init_from_verifier", None)
+        verifier_state = None
+        if not from_checkpoint and init_path:
+            verifier_state = _read_checkpoint("--init-from-verifier", init_path)
+            adopt_verifier_layout(cfg, model_config(verifier_state), init_path)
         model = super().build_model(cfg, from_checkpoint)
         if not from_checkpoint and not isinstance(model, SpecDrafterModel):
             raise SpecNmtError(
                 "--task spec_translation trains drafters (--arch spec_drafter_small, "
                 "cached_drafter_small, ...); train the verifier with --task translation"
             )
-        init_path = getattr(cfg, "init_from_verifier", None)
         if not from_checkpoint and not init_path and isinstance(model, CachedDrafterModel):
             raise SpecNmtError(
                 "a cached drafter drafts on the verifier's frozen encoder: give "
                 "--init-from-verifier VERIFIER.pt, the verifier it will decode with"
             )
-        if not from_checkpoint and init_path:
-            model.initialize_from_verifier(init_path)
+        if verifier_state is not None:
+            model.initialize_from_verifier(init_path, verifier_state)
         return model
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
@@ -452,11 +457,8 @@ def _fit_width(tokens, width: int, pad: int):
 
 
 def _checkpoint_arch(state) -> Optional[str]:
-    cfg = state.get("cfg")
-    if cfg is not None and cfg.get("model") is not None:
-        return getattr(cfg["model"], "arch", None) or getattr(cfg["model"], "_name", None)
-    args = state.get("args")
-    return getattr(args, "arch", None)
+    model = model_config(state)
+    return getattr(model, "arch", None) or getattr(model, "_name", None)
 
 
 def _beam_given_on_command_line() -> bool:
