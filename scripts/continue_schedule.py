@@ -50,7 +50,7 @@ def main():
     # The optimizer state must list exactly the trainer's parameters: the model's (tied ones once)
     # in model.parameters() order.
     task = tasks.setup_task(cfg.task)
-    model = task.build_model(cfg.model)
+    model = task.build_model(cfg.model, from_checkpoint=True)  # not started again
     parameter_count = sum(1 for p in model.parameters() if p.requires_grad)
     optimizer = cfg.optimizer
     state["last_optimizer_state"] = {

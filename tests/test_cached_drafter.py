@@ -36,6 +36,13 @@ def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
         drafter.check_encoder_matches(verifier)
     with torch.no_grad():
         verifier.encoder.layers[0].fc1.weight[0, 0] -= 1e-3
+    verifier.encoder.layer_norm = torch.nn.LayerNorm(verifier.encoder.embed_tokens.embedding_dim)  # as pre-norm
+    try:
+        with pytest.raises(SpecNmtError, match=r"only the verifier has layer_norm\.(weight|bias)"):
+            drafter.check_encoder_matches(verifier)
+    finally:
+        verifier.encoder.layer_norm = None
+    drafter.check_encoder_matches(verifier)
 
 
 def test_a_mask_block_sees_its_cut_prefix_and_its_own_block_only():

@@ -3,7 +3,6 @@ fairseq-preprocess -> verifier (scripts/train_verifier.sh) -> distillation -> dr
 from the verifier's encoder (scripts/train_drafter.sh) -> compact model directory ->
 `make translate` and scripts/benchmark.py."""
 
-import argparse
 import io
 import json
 import os
@@ -17,11 +16,9 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 from fairseq.data import data_utils
-from omegaconf import OmegaConf
 
 from spec_nmt.data_prep import check_raw_dir
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.models.spec_drafter import adopt_verifier_layout
 from tests.conftest import BIN, REPO, TINY_DRAFTER, TINY_TRANSFORMER, fairseq
 from tests.toy_corpus import make_pairs, write_corpus
 
@@ -279,16 +276,6 @@ def test_a_drafter_from_a_pre_norm_verifier_computes_the_verifiers_encoder(pipel
         ours = drafter.eval().encoder(batch, src_lengths=lengths)["encoder_out"][0]
         theirs = verifier.eval().encoder(batch, src_lengths=lengths)["encoder_out"][0]
     assert torch.equal(ours, theirs)
-
-
-def test_verifier_layout_is_adopted_by_namespace_and_hydra_configs():
-    verifier = argparse.Namespace(encoder_normalize_before=True, activation_fn="gelu")
-    hydra = OmegaConf.create({"encoder_normalize_before": False, "dropout": 0.1})
-    OmegaConf.set_struct(hydra, True)  # as fairseq's: new keys need open_dict
-    for drafter in (argparse.Namespace(encoder_normalize_before=False, dropout=0.1), hydra):
-        adopt_verifier_layout(drafter, verifier, "verifier.pt")
-        assert drafter.encoder_normalize_before is True and drafter.activation_fn == "gelu"
-        assert drafter.dropout == 0.1
 
 
 def test_init_from_verifier_rejects_a_different_encoder_shape(toy, tmp_path):

@@ -1,5 +1,6 @@
 """Training the Spec-Drafter with fairseq-train: the block batches, falling loss, resuming."""
 
+import argparse
 import re
 import shutil
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
+from omegaconf import OmegaConf
 
-from spec_nmt.models.spec_drafter import MASK_SYMBOL
+from spec_nmt.models.spec_drafter import MASK_SYMBOL, adopt_verifier_layout
 from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import BLOCK_SIZE, train_drafter, train_losses
 
@@ -83,3 +85,17 @@ def test_training_resumes_from_checkpoint_last(toy, tmp_path):
     assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 300 updates\)", output)
     assert "num_updates 350" in output
     assert len(train_losses(output)) >= 1
+
+
+def test_verifier_layout_is_adopted_for_the_copied_parts_in_namespace_and_hydra_configs():
+    verifier = argparse.Namespace(encoder_normalize_before=True, decoder_normalize_before=True,
+                                  activation_fn="gelu")  # fmt: skip
+    hydra = OmegaConf.create({"encoder_normalize_before": False, "dropout": 0.1})
+    OmegaConf.set_struct(hydra, True)  # as fairseq's: new keys need open_dict
+    for drafter in (argparse.Namespace(encoder_normalize_before=False, dropout=0.1), hydra):
+        adopt_verifier_layout(drafter, verifier, "verifier.pt", ("encoder.",))
+        assert drafter.encoder_normalize_before is True and drafter.activation_fn == "gelu"
+        assert drafter.dropout == 0.1
+        assert getattr(drafter, "decoder_normalize_before", None) is None  # not copied
+    adopt_verifier_layout(hydra, verifier, "verifier.pt", ("encoder.", "decoder."))
+    assert hydra.decoder_normalize_before is True

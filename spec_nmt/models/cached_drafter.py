@@ -108,9 +108,8 @@ class CachedDrafterModel(SpecDrafterModel):
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return CachedDrafterDecoder(cfg, tgt_dict, embed_tokens)
 
-    def verifier_parts(self):
-        """The verifier's encoder (frozen here), embeddings and decoder layers 0 .. N-1."""
-        return ("encoder.", "decoder.")
+    # the verifier's encoder (frozen here), embeddings and decoder layers 0 .. N-1
+    VERIFIER_PARTS = ("encoder.", "decoder.")
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -129,18 +128,18 @@ class CachedDrafterModel(SpecDrafterModel):
         # both ways: a tensor only one side has (a pre-norm encoder's final norm) differs too
         for name in sorted(own.keys() | theirs.keys()):
             value, other = own.get(name), theirs.get(name)
-            if name.endswith("embed_tokens.weight") and None not in (value, other):
-                value = value[: other.size(0)]  # the drafter's row for [MASK] is extra
-            if (
-                value is None
-                or other is None
-                or other.shape != value.shape
-                or not torch.equal(other.to(value), value)
-            ):
-                raise SpecNmtError(
-                    f"the cached drafter was trained on another verifier's encoder ({name} "
-                    "differs): it decodes only with the verifier given to --init-from-verifier"
-                )
+            if value is None or other is None:
+                difference = f"only the {'verifier' if value is None else 'drafter'} has {name}"
+            else:
+                if name.endswith("embed_tokens.weight"):
+                    value = value[: other.size(0)]  # the drafter's row for [MASK] is extra
+                if other.shape == value.shape and torch.equal(other.to(value), value):
+                    continue
+                difference = f"{name} differs"
+            raise SpecNmtError(
+                f"the cached drafter was trained on another verifier's encoder ({difference}): "
+                "it decodes only with the verifier given to --init-from-verifier"
+            )
 
 
 @register_model_architecture("cached_drafter", "cached_drafter")

@@ -28,20 +28,24 @@ logger = logging.getLogger(__name__)
 MASK_SYMBOL = "[MASK]"
 
 
-# fairseq options that change what the verifier's tensors compute without changing their shapes.
-# A drafter started from a verifier takes the verifier's values, so that the encoder it copies
-# (and a cached drafter's copied decoder layers) computes what it computed in the verifier.
-VERIFIER_LAYOUT = (
-    "encoder_normalize_before", "decoder_normalize_before", "layernorm_embedding",
-    "no_scale_embedding", "encoder_learned_pos", "decoder_learned_pos",
-    "no_token_positional_embeddings", "activation_fn",
-)  # fmt: skip
+# fairseq options that change what the verifier's tensors compute (or which of them exist)
+# without changing the copied weights' shapes, by the part of the model they shape. A drafter
+# started from a verifier takes the verifier's values for the parts it copies, so that the copied
+# encoder (and a cached drafter's decoder layers) compute what they computed in the verifier.
+VERIFIER_LAYOUT = {
+    "encoder.": ("encoder_normalize_before", "encoder_learned_pos", "max_source_positions"),
+    "decoder.": ("decoder_normalize_before", "no_decoder_final_norm", "decoder_learned_pos",
+                 "max_target_positions"),
+    "": ("layernorm_embedding", "no_scale_embedding", "no_token_positional_embeddings",
+         "activation_fn"),
+}  # fmt: skip
 
 
-def adopt_verifier_layout(model_cfg, verifier_cfg, path) -> None:
+def adopt_verifier_layout(model_cfg, verifier_cfg, path, parts) -> None:
     """Give the drafter configuration ``model_cfg`` the verifier's values of VERIFIER_LAYOUT
-    (read from ``verifier_cfg``, the model configuration saved in ``path``)."""
-    for name in VERIFIER_LAYOUT:
+    (read from ``verifier_cfg``, the model configuration saved in ``path``) for the parts it
+    copies (its model class's ``VERIFIER_PARTS``)."""
+    for name in [name for part in ("", *parts) for name in VERIFIER_LAYOUT[part]]:
         value = getattr(verifier_cfg, name, None)
         if value is None or getattr(model_cfg, name, None) == value:
             continue
@@ -122,13 +126,12 @@ class SpecDrafterModel(TransformerModel):
         dictionaries = SimpleNamespace(source_dictionary=src_dict, target_dictionary=tgt_dict)
         return super().build_model(args, dictionaries)
 
-    def verifier_parts(self):
-        """Name prefixes of the verifier's tensors this drafter starts from: the encoder (and,
-        always, the token embeddings and output projection), SpecDec's drafter initialisation."""
-        return ("encoder.",)
+    # Name prefixes of the verifier's tensors this drafter starts from: the encoder (and, always,
+    # the token embeddings and output projection), SpecDec's drafter initialisation.
+    VERIFIER_PARTS = ("encoder.",)
 
     def initialize_from_verifier(self, path, checkpoint):
-        """Copy the tensors named by ``verifier_parts`` from ``checkpoint`` (the verifier's, read
+        """Copy the tensors named by ``VERIFIER_PARTS`` from ``checkpoint`` (the verifier's, read
         from ``path``) where the drafter has them. The drafter's dictionary is the verifier's plus
         [MASK] at the end, so vocabulary rows line up; the [MASK] row keeps its random init."""
         verifier_state = checkpoint["model"]
@@ -136,7 +139,7 @@ class SpecDrafterModel(TransformerModel):
         copied = {}
         for name, value in verifier_state.items():
             is_embedding = name.endswith(("embed_tokens.weight", "output_projection.weight"))
-            if not (name.startswith(self.verifier_parts()) or is_embedding) or name not in own_state:
+            if not (name.startswith(self.VERIFIER_PARTS) or is_embedding) or name not in own_state:
                 continue
             target = own_state[name]
             rows = value.size(0)
@@ -152,6 +155,17 @@ class SpecDrafterModel(TransformerModel):
                 )
         if not any(name.startswith("encoder.layers.") for name in copied):
             raise SpecNmtError(f"--init-from-verifier: {path} holds no Transformer encoder")
+        # Depths may differ (a deeper drafter's extra layers start random, a shallower one takes
+        # the first layers); any other tensor that only one side has means the copied layers
+        # would compute something else (a final layer norm, embedding norm, learned positions).
+        for name in sorted(verifier_state.keys() ^ own_state.keys()):
+            if name.startswith(self.VERIFIER_PARTS) and ".layers." not in name:
+                side = "the verifier" if name in verifier_state else "the drafter"
+                raise SpecNmtError(
+                    f"--init-from-verifier: only {side} has {name}, so the copied layers would "
+                    f"compute something else than in {path}: train the drafter with the "
+                    "verifier's layer-norm and position flags"
+                )
         self.load_state_dict(copied, strict=False)
         logger.info("initialised %d drafter tensors from the verifier %s", len(copied), path)
 

@@ -23,6 +23,7 @@ import torch
 from fairseq import checkpoint_utils, metrics
 from fairseq.dataclass import ChoiceEnum
 from fairseq.logging.meters import safe_round
+from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
@@ -160,7 +161,9 @@ class SpecTranslationTask(TranslationTask):
         verifier_state = None
         if not from_checkpoint and init_path:
             verifier_state = _read_checkpoint("--init-from-verifier", init_path)
-            adopt_verifier_layout(cfg, model_config(verifier_state), init_path)
+            arch = getattr(cfg, "arch", None) or getattr(cfg, "_name", None)
+            parts = getattr(ARCH_MODEL_REGISTRY.get(arch), "VERIFIER_PARTS", ())
+            adopt_verifier_layout(cfg, model_config(verifier_state), init_path, parts)
         model = super().build_model(cfg, from_checkpoint)
         if not from_checkpoint and not isinstance(model, SpecDrafterModel):
             raise SpecNmtError(
