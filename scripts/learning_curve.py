@@ -2,32 +2,55 @@
 """The validations of fairseq-train logs as a markdown table: the learning curve of a model card.
 
     python scripts/learning_curve.py ../runs/verifier/train.log [more logs of the same run] \
-        [--metrics loss,ppl,bleu] [--epoch-ends]
+        [--metrics loss,ppl,bleu] [--epoch-ends] [--converged N [--best-metric loss] [--maximize]]
 
 One row per validation (epoch, update, then each metric as logged); a run resumed several times
 has several logs: give them in order, and a validation logged twice (a resumed run repeats the
 one of its checkpoint) appears once. --epoch-ends keeps the validation with the most updates of
-each epoch only. For a drafter: --metrics loss,acc,accepted_lossless,accepted_top_beta.
+each finished epoch only (fairseq also validates at every mid-epoch save). For a drafter:
+--metrics loss,acc,accepted_lossless,accepted_top_beta.
+
+After the table, a line says where the best validation was and how many came after it. With
+--converged N the exit status says whether the run has converged by the rule "the best metric has
+not improved over N validations in a row": 0 if so, 1 if not. fairseq's own --patience cannot
+say this of a resumed run: it counts from the first validation of each fairseq-train process.
 """
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 VALIDATION = re.compile(r"\| valid \| epoch (\d+) \| valid on '[^']*' subset \| (.*)")
+# logged after the epoch's last validation and checkpoint saves
+EPOCH_END = re.compile(r"\| end of epoch (\d+) \(")
 
 
 def validations(paths):
-    """{update: (epoch, {metric: value text})} over the logs, in update order."""
-    found = {}
+    """({update: (epoch, {metric: value text})} in update order, the set of finished epochs)
+    over the logs."""
+    found, finished = {}, set()
     for path in paths:
         for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
-            match = VALIDATION.search(line)
-            if not match:
-                continue
-            fields = dict(field.strip().split(" ", 1) for field in match.group(2).split(" | "))
-            found[int(fields["num_updates"])] = (int(match.group(1)), fields)
-    return dict(sorted(found.items()))
+            if match := EPOCH_END.search(line):
+                finished.add(int(match.group(1)))
+            elif match := VALIDATION.search(line):
+                fields = dict(field.strip().split(" ", 1) for field in match.group(2).split(" | "))
+                found[int(fields["num_updates"])] = (int(match.group(1)), fields)
+    return dict(sorted(found.items())), finished
+
+
+def since_best(rows, metric: str, maximize: bool):
+    """(update of the best validation, number of validations after it); the first of equal
+    values is the best, as a later equal one is no improvement."""
+    best_update, best_value, after = None, None, 0
+    for update, (_, fields) in rows.items():
+        value = float(fields[metric])
+        if best_value is None or (value > best_value if maximize else value < best_value):
+            best_update, best_value, after = update, value, 0
+        else:
+            after += 1
+    return best_update, after
 
 
 def main():
@@ -38,11 +61,17 @@ def main():
     parser.add_argument("--metrics", default="loss,ppl,bleu",
                         help="comma-separated metrics to show (missing ones show as –)")
     parser.add_argument("--epoch-ends", action="store_true",
-                        help="one row per epoch: its last validation")
+                        help="one row per finished epoch: its last validation")
+    parser.add_argument("--best-metric", default="loss",
+                        help="the metric whose best validation the summary line reports")
+    parser.add_argument("--maximize", action="store_true",
+                        help="higher --best-metric is better (e.g. accepted_lossless)")
+    parser.add_argument("--converged", type=int, metavar="N",
+                        help="exit status 0 if the best validation has N or more after it, else 1")
     args = parser.parse_args()
-    rows = validations(args.logs)
+    rows, finished = validations(args.logs)
     if args.epoch_ends:
-        last_of_epoch = {epoch: update for update, (epoch, _) in rows.items()}
+        last_of_epoch = {epoch: update for update, (epoch, _) in rows.items() if epoch in finished}
         rows = {update: rows[update] for update in last_of_epoch.values()}
     metrics = args.metrics.split(",")
     print("| epoch | update | " + " | ".join(metrics) + " |")
@@ -50,6 +79,14 @@ def main():
     for update, (epoch, fields) in rows.items():
         values = " | ".join(fields.get(metric, "–") for metric in metrics)
         print(f"| {epoch} | {update} | {values} |")
+    if not rows:
+        sys.exit("learning_curve.py: no validations in " + ", ".join(map(str, args.logs)))
+    best_update, after = since_best(rows, args.best_metric, args.maximize)
+    best_epoch, best_fields = rows[best_update]
+    print(f"\nbest {args.best_metric} {best_fields[args.best_metric]} at update {best_update} "
+          f"(epoch {best_epoch}), {after} validation(s) after it")
+    if args.converged is not None:
+        sys.exit(0 if after >= args.converged else 1)
 
 
 if __name__ == "__main__":

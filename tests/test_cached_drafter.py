@@ -36,7 +36,8 @@ def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
         drafter.check_encoder_matches(verifier)
     with torch.no_grad():
         verifier.encoder.layers[0].fc1.weight[0, 0] -= 1e-3
-    verifier.encoder.layer_norm = torch.nn.LayerNorm(verifier.encoder.embed_tokens.embedding_dim)  # as pre-norm
+    # a final norm, as a pre-norm encoder has
+    verifier.encoder.layer_norm = torch.nn.LayerNorm(verifier.encoder.embed_tokens.embedding_dim)
     try:
         with pytest.raises(SpecNmtError, match=r"only the verifier has layer_norm\.(weight|bias)"):
             drafter.check_encoder_matches(verifier)
@@ -108,6 +109,17 @@ def test_training_without_the_verifier_is_refused_in_one_line(toy, tmp_path):
     assert errors and "give --init-from-verifier VERIFIER.pt" in errors[0], result.stderr[-2000:]
 
 
+def test_a_decoder_option_block_scoring_cannot_compute_is_refused_before_training(toy, tmp_path):
+    result = train_drafter(
+        toy["bin"], tmp_path / "d", 1, "--arch", "cached_drafter",
+        "--init-from-verifier", toy["verifier"], "--cross-self-attention", check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
+    assert errors and "the cached drafter uses --cross-self-attention" in errors[0], result.stderr
+    assert not (tmp_path / "d" / "checkpoint_last.pt").exists()
+
+
 def validation_metric(log, name):
     """The metric's value at every validation of a fairseq-train log."""
     lines = [line for line in log.splitlines() if "| valid on" in line]
@@ -160,7 +172,7 @@ def test_learning_curve_lists_each_validation_once(toy, tmp_path):
         [sys.executable, script, log, log, "--metrics", "accepted_lossless"],
         capture_output=True, text=True, check=True,
     ).stdout.splitlines()  # fmt: skip
-    rows = [line.strip("| ").split(" | ") for line in table[2:]]
+    rows = [line.strip("| ").split(" | ") for line in table[2 : table.index("")]]
     log_text = toy["cached_drafter_log"]
     updates = validation_metric(log_text, "num_updates")
     assert [int(update) for _, update, _ in rows] == sorted(set(int(u) for u in updates))

@@ -1,13 +1,12 @@
 """The whole recipe on the toy corpus, through the real scripts: raw text -> sentencepiece +
-fairseq-preprocess -> verifier (scripts/train_verifier.sh) -> distillation -> drafter started
-from the verifier's encoder (scripts/train_drafter.sh) -> compact model directory ->
+fairseq-preprocess -> scripts/campaign.sh (verifier, its averaged final model, distillation, the
+cached drafter and the Spec-Drafter started from the verifier) -> compact model directory ->
 `make translate` and scripts/benchmark.py."""
 
 import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,18 +18,17 @@ from fairseq.data import data_utils
 
 from spec_nmt.data_prep import check_raw_dir
 from spec_nmt.errors import SpecNmtError
-from tests.conftest import BIN, REPO, TINY_DRAFTER, TINY_TRANSFORMER, fairseq
+from tests.conftest import BIN, REPO, TINY_TRANSFORMER, fairseq
 from tests.toy_corpus import make_pairs, write_corpus
 
 TINY_OVERRIDES = [
     "--cpu", "--max-tokens", "2000", "--lr", "0.003", "--warmup-updates", "50", "--dropout", "0.0",
     "--num-workers", "0", "--data-buffer-size", "0", "--log-interval", "25",
 ]  # fmt: skip
-TINY_DRAFTER_SHAPE = [a for a in TINY_DRAFTER if a not in ("--arch", "spec_drafter")]
 
 
-def run(*command, **kwargs):
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+def run(*command, env_update=None, **kwargs):
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env_update or {}))
     result = subprocess.run(
         [str(c) for c in command], cwd=REPO, env=env, capture_output=True, text=True, check=False,
         stdin=subprocess.DEVNULL if "input" not in kwargs else None, timeout=900, **kwargs,
@@ -41,27 +39,25 @@ def run(*command, **kwargs):
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
+    """scripts/campaign.sh on the toy corpus, every stage 250 updates (PATIENCE keeps the toy
+    runs from stopping at a plateau, so every stage ends at the same update), then the export."""
     root = tmp_path_factory.mktemp("pipeline")
     raw = write_corpus(root / "raw", n_train=2000)
     py = sys.executable
     run(py, "scripts/prepare_data.py", raw, root / "data", "--vocab-size", 40)
-    data_bin = root / "data" / "bin"
-    run("scripts/train_verifier.sh", data_bin, root / "verifier", "small", *TINY_TRANSFORMER,
-        *TINY_OVERRIDES, "--max-update", 250, "--save-interval-updates", 50,
-        "--keep-interval-updates", 3)  # fmt: skip
-    verifier = root / "verifier" / "checkpoint_last.pt"
-    run(py, "scripts/distill.py", data_bin, verifier, root / "distilled", "--beam", 1, "--cpu")
-    drafter_log = run(
-        "scripts/train_drafter.sh", root / "distilled", root / "drafter", "small",
-        *TINY_DRAFTER_SHAPE, "--block-size", 5, *TINY_OVERRIDES, "--max-update", 250,
-        "--init-from-verifier", verifier,
-    )  # fmt: skip
-    drafter = root / "drafter" / "checkpoint_last.pt"
+    data_bin, spm_model = root / "data" / "bin", root / "data" / "spm.model"
+    campaign = ["scripts/campaign.sh", data_bin, spm_model, raw, root / "campaign",
+                *TINY_TRANSFORMER, *TINY_OVERRIDES, "--max-update", 250,
+                "--save-interval-updates", 50, "--validate-interval", 5]  # fmt: skip
+    campaign_log = run(*campaign, env_update={"PATIENCE": "1000"}).stdout
+    verifier = root / "campaign" / "verifier" / "checkpoint_final.pt"
+    drafter = root / "campaign" / "drafter-spec" / "checkpoint_last.pt"
     model_dir = root / "model"
     run(py, "scripts/export_model.py", model_dir, "--verifier", verifier, "--drafter", drafter,
-        "--data-bin", data_bin, "--spm-model", root / "data" / "spm.model")  # fmt: skip
-    return {"root": root, "raw": raw, "data": root / "data", "verifier": verifier,
-            "drafter": drafter, "model": model_dir, "drafter_log": drafter_log.stdout}
+        "--data-bin", data_bin, "--spm-model", spm_model)  # fmt: skip
+    return {"root": root, "raw": raw, "data": root / "data", "campaign": root / "campaign",
+            "campaign_command": campaign, "campaign_log": campaign_log, "verifier": verifier,
+            "drafter": drafter, "model": model_dir}
 
 
 def test_prepared_data_keeps_valid_and_test_complete(pipeline):
@@ -75,36 +71,34 @@ def test_prepared_data_keeps_valid_and_test_complete(pipeline):
 
 def test_distilled_targets_are_the_verifier_outputs(pipeline):
     """Distilled train targets must differ from the references somewhere and keep the dictionary."""
-    distilled, original = pipeline["root"] / "distilled", pipeline["data"] / "bin"
+    distilled, original = pipeline["campaign"] / "distilled", pipeline["data"] / "bin"
     assert (distilled / "dict.en.txt").read_text() == (original / "dict.en.txt").read_text()
     assert (distilled / "valid.de-en.en.bin").read_bytes() == (original / "valid.de-en.en.bin").read_bytes()
     assert (distilled / "train.de-en.en.bin").read_bytes() != (original / "train.de-en.en.bin").read_bytes()
 
 
-def test_finish_verifier_averages_keeps_the_better_and_scores_the_test_set(pipeline, tmp_path):
-    run_dir = tmp_path / "verifier"
-    shutil.copytree(pipeline["verifier"].parent, run_dir)
-    data, out = pipeline["data"], tmp_path / "final.json"
-    run(sys.executable, "scripts/finish_verifier.py", run_dir, "--data-bin", data / "bin",
-        "--raw", pipeline["raw"], "--spm-model", data / "spm.model", "--last", 3, "--cpu",
-        "--json", out)  # fmt: skip
-    result = json.loads(out.read_text())
+def test_campaign_finished_the_verifier_by_averaging_keeping_the_better_and_scoring(pipeline):
+    """finish_verifier.py, as the campaign ran it: the last 5 interval checkpoints averaged, the
+    better of average and best kept by validation BLEU, the test set scored."""
+    run_dir = pipeline["campaign"] / "verifier"
+    data = pipeline["data"]
+    result = json.loads((run_dir / "final.json").read_text())
     updates = [int(re.fullmatch(r"checkpoint_\d+_(\d+)\.pt", name).group(1))
                for name in result["averaged"]]  # fmt: skip
-    assert updates == [150, 200, 250]  # the last three
+    assert updates == [50, 100, 150, 200, 250]  # the last five
 
     def weights(name):
         return torch.load(run_dir / name, weights_only=False)["model"]
 
     parts = [weights(name) for name in result["averaged"]]
-    averaged = weights("checkpoint_avg3.pt")
+    averaged = weights("checkpoint_avg5.pt")
     for name, tensor in averaged.items():
-        torch.testing.assert_close(tensor, sum(p[name] for p in parts) / 3, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(tensor, sum(p[name] for p in parts) / 5, rtol=1e-6, atol=1e-7)
     tied = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
             "decoder.output_projection.weight")  # --share-all-embeddings: stored once
     assert len({averaged[name].data_ptr() for name in tied}) == 1
     valid = result["valid_greedy_bleu"]
-    assert set(valid) == {"checkpoint_best.pt", "checkpoint_avg3.pt"}
+    assert set(valid) == {"checkpoint_best.pt", "checkpoint_avg5.pt"}
     assert valid[result["kept"]] == max(valid.values())
     for name, tensor in weights("checkpoint_final.pt").items():
         assert torch.equal(tensor, weights(result["kept"])[name])
@@ -139,11 +133,11 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     assert "shard-1-of-3.tsv is done: not translated again" in log
     assert len(re.findall(r"running \S+ -m fairseq_cli.generate", log)) == 2  # shards 0 and 2
     # together, the shards are the distillation of the whole training set in one piece
-    whole = shard_pairs(pipeline["root"] / "distilled" / "shards")
+    whole = shard_pairs(pipeline["campaign"] / "distilled" / "shards")
     training_pairs = (pipeline["data"] / "spm" / "train.de").read_text().splitlines()
     assert shard_pairs(out / "shards") == whole and len(whole) == len(training_pairs)
     assert (out / "train.de-en.en.bin").read_bytes() == (
-        pipeline["root"] / "distilled" / "train.de-en.en.bin"
+        pipeline["campaign"] / "distilled" / "train.de-en.en.bin"
     ).read_bytes()
     other_beam = subprocess.run([str(c) for c in command[:-2]] + ["--beam", "2"], cwd=REPO,
                                 capture_output=True, text=True)  # fmt: skip
@@ -152,18 +146,35 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     assert refusal in other_beam.stderr
 
 
-def test_drafter_started_from_the_verifier_encoder(pipeline):
-    assert "initialised" in pipeline["drafter_log"] and "from the verifier" in pipeline["drafter_log"]
+def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
+    campaign = pipeline["campaign"]
+    for stage in ("drafter-cached", "drafter-spec"):
+        log = (campaign / stage / "train.log").read_text()
+        assert "initialised" in log and "from the verifier" in log  # started from checkpoint_final
+        curve = (campaign / stage / "FINISHED").read_text()  # its learning curve
+        last_row = r"^\| \d+ \| 250 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$"  # 4 metrics
+        assert re.search(last_row, curve, re.M)
+        assert re.search(r"best accepted_lossless [0-9.]+ at update \d+", curve)
+    assert "distilling the training set in 1 shard(s)" in pipeline["campaign_log"]
+    logs = {path: path.read_bytes() for path in campaign.glob("*/train.log")}
+    again = run(*pipeline["campaign_command"]).stdout
+    for stage in ("verifier", "drafter-cached", "drafter-spec"):
+        assert f"{campaign / stage}: finished before" in again
+    assert "averaging" not in again and "distilling" not in again
+    assert {path: path.read_bytes() for path in logs} == logs
 
 
 def test_exported_models_are_fp16_without_optimizer_state(pipeline):
     model_dir = pipeline["model"]
-    for name, original in (("verifier.pt", pipeline["verifier"]), ("drafter.pt", pipeline["drafter"])):
+    for name in ("verifier.pt", "drafter.pt"):
         state = torch.load(model_dir / name, weights_only=True)
         assert state["last_optimizer_state"] is None
         assert all(t.dtype == torch.float16 for t in state["model"].values() if t.is_floating_point())
         assert state["cfg"]["task"]["data"] == "."
-        assert (model_dir / name).stat().st_size < original.stat().st_size / 3
+        # about half the fp32 weights (tied ones stored once), nothing else of size
+        stored = {t.untyped_storage().data_ptr(): t for t in state["model"].values()}
+        fp32_bytes = sum(4 * t.numel() for t in stored.values())
+        assert (model_dir / name).stat().st_size < 0.6 * fp32_bytes
     for name in ("dict.de.txt", "dict.en.txt", "spm.model"):
         assert (model_dir / name).is_file()
 
@@ -254,15 +265,13 @@ def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     assert result["environment"]["torch"] == torch.__version__
 
 
-def test_a_drafter_from_a_pre_norm_verifier_computes_the_verifiers_encoder(pipeline, tmp_path):
+def test_a_drafter_from_a_pre_norm_verifier_computes_the_verifiers_encoder(pipeline):
     """The small recipe's verifier is pre-norm, the drafter presets are not: started from it, the
     cached drafter takes its layout, so the frozen encoder it trains on computes exactly what the
     verifier's computes at decoding time."""
-    run("scripts/train_drafter.sh", pipeline["root"] / "distilled", tmp_path, "cached_small",
-        *TINY_DRAFTER_SHAPE, "--block-size", 5, *TINY_OVERRIDES, "--max-update", 1,
-        "--init-from-verifier", pipeline["verifier"], "--disable-validation")  # fmt: skip
     (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [str(tmp_path / "checkpoint_last.pt")], arg_overrides={"data": str(pipeline["data"] / "bin")}
+        [str(pipeline["campaign"] / "drafter-cached" / "checkpoint_last.pt")],
+        arg_overrides={"data": str(pipeline["data"] / "bin")},
     )
     (verifier,), _ = checkpoint_utils.load_model_ensemble([str(pipeline["verifier"])], task=task)
     assert verifier.encoder.layer_norm is not None  # pre-norm

@@ -76,16 +76,7 @@ class TransformerVerifier:
                 f"{role} must be a fairseq Transformer encoder-decoder translation "
                 f"model, got {type(model).__name__}"
             )
-        unsupported = decoder.cross_self_attention or decoder.adaptive_softmax is not None
-        for attn in [m for layer in decoder.layers for m in (layer.self_attn, layer.encoder_attn)]:
-            if attn is not None:
-                unsupported |= attn.bias_k is not None or attn.add_zero_attn
-                unsupported |= getattr(attn, "rotary_pos_embed", None) is not None
-        if unsupported:
-            raise SpecNmtError(
-                f"{role} uses --cross-self-attention, an adaptive softmax or extra attention "
-                "keys, which block scoring does not support"
-            )
+        block_forward.check_supported(decoder, role)
         self.model = model
         self.decoder = decoder
         self.temperature = temperature

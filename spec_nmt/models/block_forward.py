@@ -15,8 +15,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from spec_nmt.errors import SpecNmtError
+
 # (layer's self-attention module, block queries' input [W, B, C]) -> attention output [W, B, C]
 SelfAttention = Callable[[object, Tensor], Tensor]
+
+
+def check_supported(decoder, role: str) -> None:
+    """Refuse a decoder whose forward these functions do not reproduce; ``role`` names the
+    model in the error."""
+    unsupported = decoder.cross_self_attention or decoder.adaptive_softmax is not None
+    for attn in [m for layer in decoder.layers for m in (layer.self_attn, layer.encoder_attn)]:
+        if attn is not None:
+            unsupported |= attn.bias_k is not None or attn.add_zero_attn
+            unsupported |= getattr(attn, "rotary_pos_embed", None) is not None
+    if unsupported:
+        raise SpecNmtError(
+            f"{role} uses --cross-self-attention, an adaptive softmax or extra attention "
+            "keys, which block scoring does not support"
+        )
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:

@@ -100,6 +100,9 @@ class CachedDrafterModel(SpecDrafterModel):
         args.share_all_embeddings = False
         args.share_decoder_input_output_embed = True
         model = super().build_model(args, task)
+        # its training and decoding both run the block forward: refuse what that cannot compute
+        # now, not after hours of training
+        block_forward.check_supported(model.decoder, "the cached drafter")
         for parameter in model.encoder.parameters():
             parameter.requires_grad_(False)
         return model

@@ -1,0 +1,59 @@
+"""scripts/learning_curve.py --converged: the stopping rule of the model campaign, counted over a
+resumed run's logs and over finished epochs only."""
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+SCRIPT = REPO / "scripts" / "learning_curve.py"
+
+
+def validation_line(epoch, update, loss):
+    return (f"2026-11-23 13:24:56 | INFO | valid | epoch {epoch:03d} | valid on 'valid' subset | "
+            f"loss {loss} | nll_loss 5.293 | ppl 39.21 | bleu 6.87 | num_updates {update}")
+
+
+def epoch_end_line(epoch):
+    return (f"2026-11-23 13:24:57 | INFO | fairseq_cli.train | end of epoch {epoch} "
+            "(average epoch stats below)")
+
+
+def run(logs, *flags):
+    return subprocess.run([sys.executable, SCRIPT, *logs, *flags], capture_output=True, text=True)
+
+
+def test_converged_counts_finished_epochs_after_the_best_across_resumed_logs(tmp_path):
+    # epoch-end losses 5.0, 4.0 (best), 4.2, 4.0 (equal: no improvement), then a mid-epoch save's
+    # validation in epoch 5 and a resumed log that repeats epoch 4's validation and ends epoch 5
+    first, resumed = tmp_path / "train.log", tmp_path / "train2.log"
+    lines = []
+    for epoch, loss in enumerate([5.0, 4.0, 4.2, 4.0], start=1):
+        lines += [validation_line(epoch, 100 * epoch, loss), epoch_end_line(epoch)]
+    lines.append(validation_line(5, 450, 3.9))
+    first.write_text("\n".join(lines) + "\n")
+    resumed.write_text("\n".join([validation_line(4, 400, 4.0), validation_line(5, 500, 4.1),
+                                  epoch_end_line(5)]) + "\n")  # fmt: skip
+
+    # epoch 5 has not ended in the first log: its mid-epoch 3.9 is no epoch's last validation
+    two_after = run([first], "--epoch-ends", "--converged", "3")
+    assert two_after.returncode == 1, two_after.stderr
+    assert "best loss 4.0 at update 200 (epoch 2), 2 validation(s) after it" in two_after.stdout
+    # the resumed log ends epoch 5 at 4.1: three epochs without improvement
+    three_after = run([first, resumed], "--epoch-ends", "--converged", "3")
+    assert three_after.returncode == 0, three_after.stderr
+    assert "update 200 (epoch 2), 3 validation(s) after it" in three_after.stdout
+    # every validation counted: the mid-epoch 3.9 is the best, with one after it
+    every = run([first, resumed], "--converged", "1")
+    assert every.returncode == 0
+    assert "best loss 3.9 at update 450 (epoch 5), 1 validation(s) after it" in every.stdout
+    # a metric to maximize: the best is the first 5.0 of loss read as "higher is better"
+    assert "best loss 5.0 at update 100" in run([first], "--maximize").stdout
+
+
+def test_a_log_without_validations_is_an_error_in_one_line(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("nothing validated\n")
+    result = run([log], "--converged", "3")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [f"learning_curve.py: no validations in {log}"]
