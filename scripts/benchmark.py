@@ -35,6 +35,8 @@ k + 1 tokens for the cost of W = k + 1:
     python scripts/benchmark.py block-cost MODEL_DIR --src valid.de --widths 1,2,4,8,11,16,26 \
         --batch-sizes 1,32,64 --json BENCHMARKS-block-cost.json
 
+(--compile: the same calls of the scorer compiled by torch.compile, alternated with the eager ones.)
+
 MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py);
 --drafter PATH replaces drafter.pt (e.g. an autoregressive drafter).
 Systems: fairseq greedy and beam 5 (stock SequenceGenerator), speculative lossless (beta 1,
@@ -419,10 +421,16 @@ BLOCK_COST_PREFIX = 20
 
 def block_cost(args):
     """Seconds per verifier call scoring W new entries after a committed prefix, per batch size
-    (the first batch-size lines of --src), relative to W = 1."""
+    (the first batch-size lines of --src), relative to W = 1. With --compile, the same calls of
+    the scorer compiled by torch.compile (inductor) alternate with the eager ones."""
     pair = load_pair(args)
     tokens = pair.encode(read_lines(args.src, args.lines))
-    verifier = TransformerVerifier(pair.verifier)
+    scorers = {"eager": TransformerVerifier(pair.verifier)}
+    if args.compile:
+        compiled = TransformerVerifier(pair.verifier)
+        # dynamic: block widths, cache lengths and batch sizes change from call to call
+        compiled.score_logits = torch.compile(compiled.score_logits, dynamic=True)
+        scorers["compiled"] = compiled
     symbols = (pair.tgt_dict.nspecial, len(pair.tgt_dict))
     rows = []
     with torch.inference_mode():
@@ -430,27 +438,50 @@ def block_cost(args):
             if batch_size > len(tokens):
                 raise SystemExit(f"--batch-sizes {batch_size}: --src has only {len(tokens)} lines")
             _, sample = next(pair.batches(tokens[:batch_size], batch_size))
-            state = verifier.start(sample["net_input"])
             prefix = torch.randint(*symbols, (batch_size, BLOCK_COST_PREFIX))
-            verifier.score_logits(state, prefix)
             order = torch.arange(BLOCK_COST_PREFIX).expand(batch_size, -1)
-            verifier.commit(state, order, torch.full((batch_size,), BLOCK_COST_PREFIX))
+            states = {}
+            for name, scorer in scorers.items():
+                states[name] = scorer.start(sample["net_input"])
+                scorer.score_logits(states[name], prefix)
+                scorer.commit(states[name], order, torch.full((batch_size,), BLOCK_COST_PREFIX))
             nothing = (order[:, :0], torch.zeros(batch_size, dtype=torch.long))
-            seconds = {}
+
+            def call(name, block):  # the next block sees the same prefix
+                start = time.perf_counter()
+                logits = scorers[name].score_logits(states[name], block)
+                scorers[name].commit(states[name], *nothing)
+                return time.perf_counter() - start, logits
+
+            seconds, first_call = {}, {}
             for width in args.widths:
                 block = torch.randint(*symbols, (batch_size, width))
-                for timed in (False, True):  # warm-up calls first
-                    start = time.perf_counter()
-                    for _ in range(args.repeats if timed else 3):
-                        verifier.score_logits(state, block)
-                        verifier.commit(state, *nothing)  # the next block sees the same prefix
-                    seconds[width] = time.perf_counter() - start
-            one = seconds[min(args.widths)]
+                first = {name: call(name, block) for name in scorers}
+                first_call[width] = {name: first[name][0] for name in scorers}
+                for _ in range(2):  # warm-up calls
+                    for name in scorers:
+                        call(name, block)
+                seconds[width] = dict.fromkeys(scorers, 0.0)
+                for _ in range(args.repeats):
+                    for name in scorers:
+                        seconds[width][name] += call(name, block)[0]
+                if args.compile:
+                    difference = (first["compiled"][1] - first["eager"][1]).abs().max()
+                    first_call[width]["difference"] = float(difference)
+            one = seconds[min(args.widths)]["eager"]
             for width, total in seconds.items():
+                eager = total["eager"]
                 row = {"batch_size": batch_size, "width": width,
-                       "ms_per_call": round(1000 * total / args.repeats, 3),
-                       "cost_vs_narrowest": round(total / one, 2),
-                       "entries_per_narrowest_cost": round(width * one / total, 2)}  # fmt: skip
+                       "ms_per_call": round(1000 * eager / args.repeats, 3),
+                       "cost_vs_narrowest": round(eager / one, 2),
+                       "entries_per_narrowest_cost": round(width * one / eager, 2)}  # fmt: skip
+                if args.compile:
+                    row.update({
+                        "compiled_ms_per_call": round(1000 * total["compiled"] / args.repeats, 3),
+                        "compiled_vs_eager": round(total["compiled"] / eager, 2),
+                        "compiled_first_call_s": round(first_call[width]["compiled"], 2),
+                        "compiled_max_abs_logit_difference": first_call[width]["difference"],
+                    })  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"mode": "block-cost", "prefix": BLOCK_COST_PREFIX, "repeats": args.repeats,
@@ -458,6 +489,11 @@ def block_cost(args):
     columns = [("batch_size", "batch"), ("width", "W"), ("ms_per_call", "ms per call"),
                ("cost_vs_narrowest", "cost (× narrowest W)"),
                ("entries_per_narrowest_cost", "entries per narrowest-W cost")]  # fmt: skip
+    if args.compile:
+        columns += [("compiled_ms_per_call", "compiled: ms per call"),
+                    ("compiled_vs_eager", "compiled ÷ eager"),
+                    ("compiled_first_call_s", "compiled: first call (s)"),
+                    ("compiled_max_abs_logit_difference", "largest logit difference")]  # fmt: skip
     print(table(columns, rows))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -659,6 +695,8 @@ def main():
     parser.add_argument("--widths", type=comma_list(int), default=[1, 2, 4, 8, 11, 16, 26],
                         help="block-cost: block widths W (entries scored per verifier call)")
     parser.add_argument("--repeats", type=int, default=50, help="block-cost: timed calls per width")
+    parser.add_argument("--compile", action="store_true",
+                        help="block-cost: also time the scorer compiled with torch.compile")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="ceiling: add CTranslate2 greedy rows (fp32, int8) of the same verifier "
                         "(pip install ctranslate2)")

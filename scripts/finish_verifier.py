@@ -17,6 +17,7 @@ of the decoding settings.
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -123,7 +124,9 @@ def main():
     valid = {path.name: bleu(path, "valid", 1, args) for path in (best, averaged)}
     kept = max((best, averaged), key=lambda path: valid[path.name])
     final = args.run_dir / "checkpoint_final.pt"
-    shutil.copyfile(kept, final)
+    partial = final.with_suffix(".partial")
+    shutil.copyfile(kept, partial)
+    os.replace(partial, final)  # whole or absent, whenever it is stopped
     result = {
         "averaged": [p.name for p in sources],
         "valid_greedy_bleu": valid,
@@ -131,8 +134,10 @@ def main():
         "test_bleu": {f"beam {beam}": bleu(final, "test", beam, args) for beam in (1, 5)},
     }
     print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:  # written last, whole: a campaign takes it as the sign that this step is done
+        partial = args.json.with_suffix(".partial")
+        partial.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(partial, args.json)
 
 
 if __name__ == "__main__":

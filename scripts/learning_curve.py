@@ -12,8 +12,9 @@ each finished epoch only (fairseq also validates at every mid-epoch save). For a
 
 After the table, a line says where the best validation was and how many came after it. With
 --converged N the exit status says whether the run has converged by the rule "the best metric has
-not improved over N validations in a row": 0 if so, 1 if not. fairseq's own --patience cannot
-say this of a resumed run: it counts from the first validation of each fairseq-train process.
+not improved over N validations in a row": 0 if so, 1 if not (also before any validation; 2: an
+error); with --epoch-ends, N validated epochs. fairseq's own --patience cannot say this of a
+resumed run: it counts from the first validation of each fairseq-train process.
 """
 
 import argparse
@@ -22,8 +23,10 @@ import sys
 from pathlib import Path
 
 VALIDATION = re.compile(r"\| valid \| epoch (\d+) \| valid on '[^']*' subset \| (.*)")
-# logged after the epoch's last validation and checkpoint saves
+# logged after the epoch's last validation and checkpoint saves; the next epoch's start also
+# tells, when a stop fell between the saves and that line
 EPOCH_END = re.compile(r"\| end of epoch (\d+) \(")
+EPOCH_START = re.compile(r"\| begin training epoch (\d+)$")
 
 
 def validations(paths):
@@ -34,6 +37,8 @@ def validations(paths):
         for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
             if match := EPOCH_END.search(line):
                 finished.add(int(match.group(1)))
+            elif match := EPOCH_START.search(line):
+                finished.add(int(match.group(1)) - 1)
             elif match := VALIDATION.search(line):
                 fields = dict(field.strip().split(" ", 1) for field in match.group(2).split(" | "))
                 found[int(fields["num_updates"])] = (int(match.group(1)), fields)
@@ -51,6 +56,12 @@ def since_best(rows, metric: str, maximize: bool):
         else:
             after += 1
     return best_update, after
+
+
+def fail(message: str) -> None:
+    """Exit with status 2: an error, which --converged's 1 (not converged) must not look like."""
+    print(f"learning_curve.py: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main():
@@ -80,7 +91,13 @@ def main():
         values = " | ".join(fields.get(metric, "–") for metric in metrics)
         print(f"| {epoch} | {update} | {values} |")
     if not rows:
-        sys.exit("learning_curve.py: no validations in " + ", ".join(map(str, args.logs)))
+        message = "no validations in " + ", ".join(map(str, args.logs))
+        if args.converged is None:
+            fail(message)
+        print(f"learning_curve.py: {message}", file=sys.stderr)
+        sys.exit(1)  # a run that has not validated yet has not converged
+    if any(args.best_metric not in fields for _, fields in rows.values()):
+        fail(f"--best-metric {args.best_metric}: not logged at every validation")
     best_update, after = since_best(rows, args.best_metric, args.maximize)
     best_epoch, best_fields = rows[best_update]
     print(f"\nbest {args.best_metric} {best_fields[args.best_metric]} at update {best_update} "

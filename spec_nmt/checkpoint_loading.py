@@ -7,6 +7,7 @@ a model directory); wrapping fairseq's two loaders turns these into one line nam
 """
 
 import functools
+import os
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -41,11 +42,14 @@ def model_config(state) -> Optional[Any]:
 
 def save_checkpoint(state, path) -> None:
     """Save a state from ``checkpoint_utils.load_checkpoint_to_cpu`` as fairseq saves one: the
-    configuration as plain containers, which torch.load(weights_only=True) accepts."""
+    configuration as plain containers, which torch.load(weights_only=True) accepts. Written
+    aside and renamed: a stop while saving leaves the old file or none, never half a file."""
     if OmegaConf.is_config(state.get("cfg")):
         plain = OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True)
         state = dict(state, cfg=plain)
-    torch.save(state, path)
+    partial = f"{path}.partial"
+    torch.save(state, partial)
+    os.replace(partial, path)
 
 
 def _naming_unreadable_files(load):

@@ -51,9 +51,24 @@ def test_converged_counts_finished_epochs_after_the_best_across_resumed_logs(tmp
     assert "best loss 5.0 at update 100" in run([first], "--maximize").stdout
 
 
-def test_a_log_without_validations_is_an_error_in_one_line(tmp_path):
+def test_a_stop_before_the_epoch_end_line_still_ends_the_epoch_once_the_next_begins(tmp_path):
+    log = tmp_path / "train.log"
+    lines = [validation_line(1, 100, 5.0), epoch_end_line(1), validation_line(2, 200, 5.1),
+             "2026-11-23 15:30:01 | INFO | fairseq.trainer | begin training epoch 3"]  # fmt: skip
+    log.write_text("\n".join(lines) + "\n")
+    assert "1 validation(s) after it" in run([log], "--epoch-ends").stdout
+
+
+def test_errors_exit_2_in_one_line_not_1_as_not_converged(tmp_path):
     log = tmp_path / "train.log"
     log.write_text("nothing validated\n")
-    result = run([log], "--converged", "3")
-    assert result.returncode == 1
+    result = run([log])
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"learning_curve.py: no validations in {log}"]
+    assert run([log], "--converged", "3").returncode == 1  # not validated yet: not converged
+    log.write_text(validation_line(1, 100, 5.0) + "\n" + epoch_end_line(1) + "\n")
+    result = run([log], "--converged", "3", "--best-metric", "accepted_lossless")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "learning_curve.py: --best-metric accepted_lossless: not logged at every validation"
+    ]
