@@ -34,7 +34,10 @@ log() { echo "campaign: $(date '+%F %T') $*"; }
 # started (fairseq-generate under distill.py, data loader workers).
 child=""
 stop_child() {
-  if [ -n "$child" ]; then kill -- -"$child" 2> /dev/null || true; wait "$child" || true; fi
+  # every background job too: a signal can arrive after a step started but before child is set
+  local pid
+  for pid in $child $(jobs -p); do kill -- -"$pid" 2> /dev/null || true; done
+  wait || true
 }
 trap stop_child EXIT
 trap 'exit 129' HUP

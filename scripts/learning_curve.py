@@ -107,4 +107,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception as error:  # e.g. a truncated log line: an error, not "not converged"
+        fail(f"{type(error).__name__}: {error}")

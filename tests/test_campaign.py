@@ -16,7 +16,8 @@ from tests.test_learning_curve import epoch_end_line, validation_line
 
 def stand_in(tmp_path, losses, then):
     """A fairseq-train that logs one validated epoch per loss, writes its pid, then runs
-    ``then`` (a shell command)."""
+    ``then`` (a shell command; "sleep &" and "wait" leave a child of its own, as fairseq-train's
+    data loader workers are, whose pid goes to tmp_path/worker)."""
     lines = []
     for epoch, loss in enumerate(losses, start=1):
         lines += [validation_line(epoch, 100 * epoch, loss), epoch_end_line(epoch)]
@@ -25,71 +26,111 @@ def stand_in(tmp_path, losses, then):
     log = tmp_path / "scripted.log"
     log.write_text("\n".join(lines) + "\n")
     script = bin_dir / "fairseq-train"
-    script.write_text(f"#!/bin/bash\necho $$ > {tmp_path}/pid\ncat {log}\n{then}\n")
+    script.write_text(f"#!/bin/bash\ncat {log}\n{then}\n")
     script.chmod(0o755)
     return bin_dir
 
 
+def waiting(tmp_path):
+    """A stand-in's end that waits, with a child of its own; both pids go to tmp_path."""
+    return f"echo $$ > {tmp_path}/pid; sleep 300 & echo $! > {tmp_path}/worker; wait"
+
+
 def campaign(tmp_path, bin_dir, patience="3"):
-    """The campaign on empty data paths (the stand-in reads nothing) under tmp_path/work."""
+    """The campaign on empty data paths (the stand-in reads nothing) under tmp_path/work, with
+    SIGINT handled as a terminal would (a test runner started in the background ignores it)."""
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
                PATIENCE=patience)  # fmt: skip
     command = ["scripts/campaign.sh", tmp_path / "bin", tmp_path / "spm.model", tmp_path / "raw",
                tmp_path / "work"]  # fmt: skip
-    return subprocess.Popen([str(c) for c in command], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        [str(c) for c in command], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
 
 
 def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
-def test_a_converged_stage_is_stopped_and_the_campaign_goes_on(tmp_path):
+@pytest.fixture
+def cleanup(tmp_path):
+    """Whatever a failed test left running: the stand-in's process group and its worker."""
+    yield
+    for name in ("pid", "worker"):
+        path = tmp_path / name
+        if path.exists() and path.read_text().strip():
+            pid = int(path.read_text())
+            for kill in (os.killpg, os.kill):  # its group if it leads one, else the process
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+def stopped(tmp_path) -> bool:
+    """Whether the stand-in and its worker are gone (allowing them 10 s)."""
+    pids = [int((tmp_path / name).read_text()) for name in ("pid", "worker")]
+    deadline = time.monotonic() + 10
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(map(alive, pids))
+
+
+def finish(run, timeout):
+    """The campaign's (stdout, stderr), killed if it runs past timeout seconds."""
+    try:
+        return run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        out, err = run.communicate()
+        pytest.fail(f"the campaign ran past {timeout} s:\n{out}\n{err}")
+
+
+def test_a_converged_stage_is_stopped_and_the_campaign_goes_on(tmp_path, cleanup):
     # best at epoch 2, then 3 epochs without a lower loss (one equal): converged at epoch 5
-    bin_dir = stand_in(tmp_path, [5.0, 4.0, 4.1, 4.0, 4.3], then="sleep 300")
-    run = campaign(tmp_path, bin_dir)
-    out, err = run.communicate(timeout=120)
+    bin_dir = stand_in(tmp_path, [5.0, 4.0, 4.1, 4.0, 4.3], then=waiting(tmp_path))
+    out, err = finish(campaign(tmp_path, bin_dir), 120)
     stage = tmp_path / "work" / "verifier"
     assert "best loss 4.0 at update 200 (epoch 2), 3 validation(s) after it" in (
         stage / "FINISHED"
     ).read_text()
-    assert not alive(int((tmp_path / "pid").read_text()))
+    assert stopped(tmp_path)  # the stand-in and its worker
     # the next step ran: finish_verifier.py, which finds no checkpoints in the stand-in's run
     assert "averaging the verifier's last 5 checkpoints" in out
-    assert run.returncode != 0 and "checkpoint_best.pt is missing" in err
+    assert "checkpoint_best.pt is missing" in err
 
 
 def test_a_crash_before_convergence_stops_the_campaign_and_the_stage_stays_unfinished(tmp_path):
     bin_dir = stand_in(tmp_path, [5.0, 4.0], then="exit 3")
     run = campaign(tmp_path, bin_dir)
-    out, _ = run.communicate(timeout=120)
+    out, _ = finish(run, 120)
     assert run.returncode == 3
     assert "training failed (exit status 3)" in out and "averaging" not in out
     assert not (tmp_path / "work" / "verifier" / "FINISHED").exists()
     refused = campaign(tmp_path, bin_dir, patience="three")
-    _, err = refused.communicate(timeout=60)
+    _, err = finish(refused, 60)
     assert refused.returncode == 2 and "PATIENCE must be a number, got three" in err
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_stopping_the_campaign_stops_its_training(tmp_path, stop):
-    bin_dir = stand_in(tmp_path, [5.0, 4.0], then="sleep 300")
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stopping_the_campaign_stops_its_training(tmp_path, cleanup, stop):
+    bin_dir = stand_in(tmp_path, [5.0, 4.0], then=waiting(tmp_path))
     run = campaign(tmp_path, bin_dir)
-    pid_file = tmp_path / "pid"
     deadline = time.monotonic() + 60
-    while not pid_file.exists() or not pid_file.read_text().strip():
-        assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+    while not all((tmp_path / name).is_file() and (tmp_path / name).read_text().strip()
+                  for name in ("pid", "worker")):  # fmt: skip
+        if time.monotonic() > deadline or run.poll() is not None:
+            run.kill()
+            pytest.fail(f"the stand-in did not start: {run.communicate()}")
         time.sleep(0.1)
-    training = int(pid_file.read_text())
     run.send_signal(stop)
-    run.communicate(timeout=30)
+    finish(run, 30)
     assert run.returncode != 0
-    deadline = time.monotonic() + 10
-    while alive(training) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(training)
+    assert stopped(tmp_path)
     assert not (tmp_path / "work" / "verifier" / "FINISHED").exists()

@@ -72,3 +72,7 @@ def test_errors_exit_2_in_one_line_not_1_as_not_converged(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "learning_curve.py: --best-metric accepted_lossless: not logged at every validation"
     ]
+    log.write_text(validation_line(1, 100, 5.0)[:-40] + "\n")  # a line cut short
+    result = run([log], "--converged", "3")
+    assert result.returncode == 2  # (it lacks num_updates)
+    assert result.stderr.strip().splitlines() == ["learning_curve.py: KeyError: 'num_updates'"]
