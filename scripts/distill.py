@@ -28,6 +28,7 @@ from pathlib import Path
 
 from spec_nmt.data_prep import filter_pair_lengths, run_fairseq_preprocess, translate_subset
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.files import written_whole
 
 logger = logging.getLogger("distill")
 
@@ -118,11 +119,9 @@ def main():
             args.data_bin, args.verifier, "train", args.beam, args.max_tokens,
             languages=(src, tgt), cpu=args.cpu, shard=(shard, args.num_shards), extra=extra,
         )  # fmt: skip
-        partial = path.with_suffix(".partial")
-        with open(partial, "w", encoding="utf-8") as out:
+        with written_whole(path) as partial, open(partial, "w", encoding="utf-8") as out:
             for sentence_id, (source, hypothesis) in pairs.items():
                 out.write(f"{sentence_id}\t{source}\t{hypothesis}\n")
-        os.replace(partial, path)  # a shard file is complete or absent
         logger.info("shard %d of %d: %d sentences in %s", shard, args.num_shards, len(pairs), path)
 
     pairs, missing = read_shards(shard_dir, args.num_shards)

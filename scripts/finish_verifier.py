@@ -17,7 +17,6 @@ of the decoding settings.
 import argparse
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
@@ -30,6 +29,7 @@ from fairseq import checkpoint_utils
 from spec_nmt.checkpoint_loading import map_tied, save_checkpoint
 from spec_nmt.data_prep import translate_subset
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.files import written_whole
 
 logger = logging.getLogger("finish_verifier")
 INTERVAL_CHECKPOINT = re.compile(r"checkpoint_\d+_(\d+)\.pt")
@@ -124,9 +124,8 @@ def main():
     valid = {path.name: bleu(path, "valid", 1, args) for path in (best, averaged)}
     kept = max((best, averaged), key=lambda path: valid[path.name])
     final = args.run_dir / "checkpoint_final.pt"
-    partial = final.with_suffix(".partial")
-    shutil.copyfile(kept, partial)
-    os.replace(partial, final)  # whole or absent, whenever it is stopped
+    with written_whole(final) as partial:
+        shutil.copyfile(kept, partial)
     result = {
         "averaged": [p.name for p in sources],
         "valid_greedy_bleu": valid,
@@ -135,9 +134,8 @@ def main():
     }
     print(json.dumps(result, indent=2))
     if args.json:  # written last, whole: a campaign takes it as the sign that this step is done
-        partial = args.json.with_suffix(".partial")
-        partial.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(partial, args.json)
+        with written_whole(args.json) as partial:
+            partial.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

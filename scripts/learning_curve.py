@@ -58,10 +58,11 @@ def since_best(rows, metric: str, maximize: bool):
     return best_update, after
 
 
-def fail(message: str) -> None:
-    """Exit with status 2: an error, which --converged's 1 (not converged) must not look like."""
+def fail(message: str, status: int = 2) -> None:
+    """Say why on stderr and exit; status 2 is an error, which --converged's 1 (not converged)
+    must not look like."""
     print(f"learning_curve.py: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def main():
@@ -91,11 +92,9 @@ def main():
         values = " | ".join(fields.get(metric, "–") for metric in metrics)
         print(f"| {epoch} | {update} | {values} |")
     if not rows:
-        message = "no validations in " + ", ".join(map(str, args.logs))
-        if args.converged is None:
-            fail(message)
-        print(f"learning_curve.py: {message}", file=sys.stderr)
-        sys.exit(1)  # a run that has not validated yet has not converged
+        # a run that has not validated yet has not converged
+        fail("no validations in " + ", ".join(map(str, args.logs)),
+             status=2 if args.converged is None else 1)
     if any(args.best_metric not in fields for _, fields in rows.values()):
         fail(f"--best-metric {args.best_metric}: not logged at every validation")
     best_update, after = since_best(rows, args.best_metric, args.maximize)

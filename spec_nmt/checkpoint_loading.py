@@ -7,7 +7,6 @@ a model directory); wrapping fairseq's two loaders turns these into one line nam
 """
 
 import functools
-import os
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -16,6 +15,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.files import written_whole
 from spec_nmt_torch_load import allow_fairseq_checkpoint_types
 
 allow_fairseq_checkpoint_types()  # also done at fairseq import where spec-nmt is installed
@@ -47,9 +47,8 @@ def save_checkpoint(state, path) -> None:
     if OmegaConf.is_config(state.get("cfg")):
         plain = OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True)
         state = dict(state, cfg=plain)
-    partial = f"{path}.partial"
-    torch.save(state, partial)
-    os.replace(partial, path)
+    with written_whole(path) as partial:
+        torch.save(state, partial)
 
 
 def _naming_unreadable_files(load):

@@ -55,9 +55,9 @@ def pipeline(tmp_path_factory):
     model_dir = root / "model"
     run(py, "scripts/export_model.py", model_dir, "--verifier", verifier, "--drafter", drafter,
         "--data-bin", data_bin, "--spm-model", spm_model)  # fmt: skip
-    return {"root": root, "raw": raw, "data": root / "data", "campaign": root / "campaign",
+    return {"raw": raw, "data": root / "data", "campaign": root / "campaign",
             "campaign_command": campaign, "campaign_log": campaign_log, "verifier": verifier,
-            "drafter": drafter, "model": model_dir}
+            "model": model_dir}
 
 
 def test_prepared_data_keeps_valid_and_test_complete(pipeline):
