@@ -30,7 +30,7 @@ $(STAMP): setup.py requirements.txt requirements-test.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 # Translate German with speculative decoding on CPU: from INPUT=file, else from stdin, else (at a
 # terminal) the example sentences in data/examples.de. Prints one English line per input line;

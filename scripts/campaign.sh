@@ -9,7 +9,8 @@
 # train.log. The extra flags go to every fairseq-train before the stage's own flags, which they
 # therefore cannot change.
 # Run it again after any stop: finished stages are skipped and the one in progress resumes from
-# its checkpoint_last.pt (or, for distillation, its last finished shard). Stopping the campaign
+# its checkpoint_last.pt (repaired first if the stop cut fairseq's copy of it short) or, for
+# distillation, its last finished shard. Stopping the campaign
 # (Ctrl-C, kill) stops what it runs.
 # A training stage is finished when its log shows PATIENCE finished, validated epochs without
 # improvement of the validation metric (learning_curve.py --epoch-ends --converged, checked as
@@ -77,6 +78,8 @@ train() {
   mkdir -p "$dir"
   if [ -f "$dir/FINISHED" ]; then log "$dir: finished before"; return; fi
   if ! converged "$dir" "${metric[@]}"; then
+    # a stop during fairseq's copy to checkpoint_last.pt must not end or restart the stage
+    python "$SCRIPTS/repair_checkpoints.py" "$dir"
     log "$dir: training"
     setsid "$@" >> "$dir/train.log" 2>&1 &
     child=$!

@@ -1,13 +1,22 @@
 """Shared fixtures: a toy corpus, a verifier and an autoregressive drafter trained with stock
 fairseq, Spec-Drafters and a cached drafter trained through the plugin, all made once per test
-session with the real command-line tools."""
+session with the real command-line tools. `make test` runs the tests on every core
+(pytest-xdist); the workers share each of these builds."""
 
+import os
+import pickle
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core: a second intra-op thread per process (the fairseq tools the tests run
+    # inherit this) would only contend for the other worker's core.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.toy_corpus import write_corpus
 
@@ -77,10 +86,39 @@ def train_losses(log):
     return [float(x) for x in re.findall(r"train_inner .* loss=([0-9.]+)", log)]
 
 
+def pytest_collection_modifyitems(items):
+    """The slowest build first: `make test` hands whole modules to its workers in collection
+    order, so one worker runs the toy campaign of test_pipeline.py while another builds the toy
+    models."""
+    items.sort(key=lambda item: item.path.name != "test_pipeline.py")
+
+
+def built_once(tmp_path_factory, name, build):
+    """build(root) once per test run and its result. Under pytest-xdist the first worker to ask
+    builds it in the run's shared directory while the others wait on its lock and then read the
+    result it left there."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent
+    root, result_file = shared / name, shared / f"{name}.pickle"
+    with FileLock(str(shared / f"{name}.lock")):
+        if result_file.exists():
+            return pickle.loads(result_file.read_bytes())
+        if root.exists():
+            pytest.fail(f"building {name} failed in another worker: see its error")
+        root.mkdir()
+        result = build(root)
+        result_file.write_bytes(pickle.dumps(result))
+        return result
+
+
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory):
     """Paths of the toy data-bin, the verifier, a trained and an untrained drafter."""
-    root = tmp_path_factory.mktemp("toy")
+    return built_once(tmp_path_factory, "toy", build_toy)
+
+
+def build_toy(root):
     raw = write_corpus(root / "raw")
     data_bin = preprocess(raw, root / "bin")
     fairseq(

@@ -18,7 +18,7 @@ from fairseq.data import data_utils
 
 from spec_nmt.data_prep import check_raw_dir
 from spec_nmt.errors import SpecNmtError
-from tests.conftest import BIN, REPO, TINY_TRANSFORMER, fairseq
+from tests.conftest import BIN, REPO, TINY_TRANSFORMER, built_once, fairseq
 from tests.toy_corpus import make_pairs, write_corpus
 
 TINY_OVERRIDES = [
@@ -41,7 +41,10 @@ def run(*command, env_update=None, **kwargs):
 def pipeline(tmp_path_factory):
     """scripts/campaign.sh on the toy corpus, every stage 250 updates (PATIENCE keeps the toy
     runs from stopping at a plateau, so every stage ends at the same update), then the export."""
-    root = tmp_path_factory.mktemp("pipeline")
+    return built_once(tmp_path_factory, "pipeline", build_pipeline)
+
+
+def build_pipeline(root):
     raw = write_corpus(root / "raw", n_train=2000)
     py = sys.executable
     run(py, "scripts/prepare_data.py", raw, root / "data", "--vocab-size", 40)
