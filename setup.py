@@ -18,6 +18,12 @@ class BuildWithPth(build_py):
         return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / PTH_NAME)]
 
 
+def requirement_lines(name):
+    """The requirements of a pip requirements file (its comments dropped)."""
+    lines = Path(__file__).with_name(name).read_text(encoding="utf-8").splitlines()
+    return [line for line in map(str.strip, lines) if line and not line.startswith("#")]
+
+
 setup(
     name="spec-nmt",
     version="0.1.0",
@@ -38,6 +44,6 @@ setup(
         "sentence-splitter>=1.4",
         "tqdm>=4",
     ],
-    extras_require={"test": ["pytest>=7", "scipy>=1.10"]},
+    extras_require={"test": requirement_lines("requirements-test.txt")},
     license="MIT",
 )

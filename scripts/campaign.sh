@@ -9,8 +9,8 @@
 # train.log. The extra flags go to every fairseq-train before the stage's own flags, which they
 # therefore cannot change.
 # Run it again after any stop: finished stages are skipped and the one in progress resumes from
-# its checkpoint_last.pt (repaired first if the stop cut fairseq's copy of it short) or, for
-# distillation, its last finished shard. Stopping the campaign
+# its checkpoint_last.pt (repaired first if the stop cut fairseq's copies short:
+# repair_checkpoints.py) or, for distillation, its last finished shard. Stopping the campaign
 # (Ctrl-C, kill) stops what it runs.
 # A training stage is finished when its log shows PATIENCE finished, validated epochs without
 # improvement of the validation metric (learning_curve.py --epoch-ends --converged, checked as
@@ -77,9 +77,10 @@ train() {
   shift
   mkdir -p "$dir"
   if [ -f "$dir/FINISHED" ]; then log "$dir: finished before"; return; fi
+  # a stop during fairseq's copies to checkpoint_last.pt / checkpoint_best.pt must not end,
+  # restart or set back the stage, nor leave the next step a cut file
+  python "$SCRIPTS/repair_checkpoints.py" "$dir"
   if ! converged "$dir" "${metric[@]}"; then
-    # a stop during fairseq's copy to checkpoint_last.pt must not end or restart the stage
-    python "$SCRIPTS/repair_checkpoints.py" "$dir"
     log "$dir: training"
     setsid "$@" >> "$dir/train.log" 2>&1 &
     child=$!

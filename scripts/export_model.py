@@ -45,7 +45,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--verifier", type=Path, required=True, help="verifier checkpoint")
-    parser.add_argument("--drafter", type=Path, required=True, help="Spec-Drafter checkpoint")
+    parser.add_argument("--drafter", type=Path, required=True,
+                        help="drafter checkpoint (Spec-Drafter or cached drafter)")
     parser.add_argument("--data-bin", type=Path, required=True, help="data-bin both were trained on")
     parser.add_argument("--spm-model", type=Path, required=True, help="sentencepiece model of the data")
     parser.add_argument("--source-lang", default="de")

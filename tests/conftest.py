@@ -18,6 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # inherit this) would only contend for the other worker's core.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from spec_nmt.files import written_whole
 from tests.toy_corpus import write_corpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,7 +109,8 @@ def built_once(tmp_path_factory, name, build):
             pytest.fail(f"building {name} failed in another worker: see its error")
         root.mkdir()
         result = build(root)
-        result_file.write_bytes(pickle.dumps(result))
+        with written_whole(result_file) as partial:
+            partial.write_bytes(pickle.dumps(result))
         return result
 
 

@@ -54,13 +54,14 @@ def build_pipeline(root):
                 "--save-interval-updates", 50, "--validate-interval", 5]  # fmt: skip
     campaign_log = run(*campaign, env_update={"PATIENCE": "1000"}).stdout
     verifier = root / "campaign" / "verifier" / "checkpoint_final.pt"
-    drafter = root / "campaign" / "drafter-spec" / "checkpoint_last.pt"
-    model_dir = root / "model"
-    run(py, "scripts/export_model.py", model_dir, "--verifier", verifier, "--drafter", drafter,
-        "--data-bin", data_bin, "--spm-model", spm_model)  # fmt: skip
+    # a model directory with each drafter kind
+    for model_dir, stage in (("model", "drafter-spec"), ("cached_model", "drafter-cached")):
+        drafter = root / "campaign" / stage / "checkpoint_last.pt"
+        run(py, "scripts/export_model.py", root / model_dir, "--verifier", verifier,
+            "--drafter", drafter, "--data-bin", data_bin, "--spm-model", spm_model)  # fmt: skip
     return {"raw": raw, "data": root / "data", "campaign": root / "campaign",
             "campaign_command": campaign, "campaign_log": campaign_log, "verifier": verifier,
-            "model": model_dir}
+            "model": root / "model", "cached_model": root / "cached_model"}
 
 
 def test_prepared_data_keeps_valid_and_test_complete(pipeline):
@@ -167,8 +168,9 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
     assert {path: path.read_bytes() for path in logs} == logs
 
 
-def test_exported_models_are_fp16_without_optimizer_state(pipeline):
-    model_dir = pipeline["model"]
+@pytest.mark.parametrize("model", ["model", "cached_model"])
+def test_exported_models_are_fp16_without_optimizer_state(pipeline, model):
+    model_dir = pipeline[model]
     for name in ("verifier.pt", "drafter.pt"):
         state = torch.load(model_dir / name, weights_only=True)
         assert state["last_optimizer_state"] is None
@@ -182,17 +184,19 @@ def test_exported_models_are_fp16_without_optimizer_state(pipeline):
         assert (model_dir / name).is_file()
 
 
-def test_make_translate_gives_greedy_output_line_by_line(pipeline):
+@pytest.mark.parametrize("model", ["model", "cached_model"])
+def test_make_translate_gives_greedy_output_line_by_line(pipeline, model):
     lines = [line.replace(" ", "") for line in (pipeline["raw"] / "test.de").read_text().splitlines()[:8]]
     # Words glued together exercise sentencepiece on text it must split itself; an empty line too.
     lines.insert(3, "")
     text = "\n".join(lines) + "\n"
-    spec = run("make", "-s", "translate", f"MODEL_DIR={pipeline['model']}", "BLOCK_SIZE=5",
+    model_dir = pipeline[model]
+    spec = run("make", "-s", "translate", f"MODEL_DIR={model_dir}", "BLOCK_SIZE=5",
                "BETA=1", "TAU=0", input=text).stdout.splitlines()  # fmt: skip
     greedy = fairseq(
-        "interactive", pipeline["model"], "--path", pipeline["model"] / "verifier.pt",
+        "interactive", model_dir, "--path", model_dir / "verifier.pt",
         "--user-dir", REPO / "spec_nmt", "--source-lang", "de", "--target-lang", "en",
-        "--bpe", "sentencepiece", "--sentencepiece-model", pipeline["model"] / "spm.model",
+        "--bpe", "sentencepiece", "--sentencepiece-model", model_dir / "spm.model",
         "--beam", 1, "--cpu", input_text=text,
     ).stdout  # fmt: skip
     greedy_lines = [line.split("\t")[2] for line in greedy.splitlines() if line.startswith("D-")]

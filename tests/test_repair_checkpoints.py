@@ -1,6 +1,7 @@
-"""scripts/repair_checkpoints.py: a checkpoint_last.pt or checkpoint_best.pt that a stop cut short
-(or a checkpoint_last.pt never written) is restored from the newest readable checkpoint, and the
-campaign repairs a stage before it resumes it."""
+"""scripts/repair_checkpoints.py: the copies fairseq makes of a save (checkpoint_last.pt,
+checkpoint_best.pt), when a stop cut them short, left checkpoint_last.pt behind or never wrote
+it, are restored from the readable checkpoint of the most updates; the campaign repairs a stage
+before it goes on with it."""
 
 import os
 import subprocess
@@ -30,49 +31,65 @@ def saved(save_dir, name, source, age_s=0, truncate=False):
     return path
 
 
-def test_cut_copies_are_restored_from_the_newest_readable_checkpoint(toy, tmp_path):
-    # best is from an earlier save; the newest save (update 200) was being copied to last
-    older = saved(tmp_path, "checkpoint_1_100.pt", toy["verifier"], age_s=60)
-    newest = saved(tmp_path, "checkpoint_2_200.pt", toy["ar_drafter"], age_s=10)
-    best = saved(tmp_path, "checkpoint_best.pt", toy["verifier"], age_s=50)
-    saved(tmp_path, "checkpoint_last.pt", toy["ar_drafter"], truncate=True)
-    saved(tmp_path, "checkpoint_final.pt", toy["drafter"])  # newer, but not fairseq's: no source
-    result = repair(tmp_path)
+def repaired(result):
+    """The names of the files a successful repair replaced."""
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
-        f"repair_checkpoints: {tmp_path / 'checkpoint_last.pt'} was missing or unreadable: "
-        "replaced by checkpoint_2_200.pt"
-    ]
-    assert (tmp_path / "checkpoint_last.pt").read_bytes() == newest.read_bytes()
-    assert best.read_bytes() == older.read_bytes()  # readable: left alone
+    return [line.split(" was behind ")[0].rsplit("/", 1)[-1] for line in result.stdout.splitlines()]
+
+
+def test_a_cut_last_is_restored_from_the_checkpoint_of_most_updates_not_the_newest(toy, tmp_path):
+    # (the toy checkpoints: ar_drafter saved at update 200, untrained_drafter at 1, verifier 300)
+    most = saved(tmp_path, "checkpoint_2_200.pt", toy["ar_drafter"], age_s=60)
+    saved(tmp_path, "checkpoint_3_1.pt", toy["untrained_drafter"], age_s=5)  # newer, fewer updates
+    best = saved(tmp_path, "checkpoint_best.pt", toy["untrained_drafter"], age_s=50)
+    cut = saved(tmp_path, "checkpoint_last.pt", toy["ar_drafter"], truncate=True).read_bytes()
+    # more updates, but not points of this run to resume from
+    saved(tmp_path, "checkpoint_final.pt", toy["verifier"])
+    saved(tmp_path, "checkpoint_last.pt.tmp", toy["verifier"])
+    result = repair(tmp_path)
+    assert repaired(result) == ["checkpoint_last.pt"]
+    assert "checkpoint_last.pt was behind checkpoint_2_200.pt" in result.stdout
+    assert (tmp_path / "checkpoint_last.pt").read_bytes() == most.read_bytes()
+    assert (tmp_path / "checkpoint_last.pt.broken").read_bytes() == cut
+    assert best.read_bytes() == toy["untrained_drafter"].read_bytes()  # readable: left alone
     assert not list(tmp_path.glob("*.partial"))
     again = repair(tmp_path)
     assert again.returncode == 0 and again.stdout == ""
 
 
-def test_a_missing_last_after_a_first_save_is_restored_and_a_new_run_is_left_alone(toy, tmp_path):
-    assert repair(tmp_path).stdout == ""  # nothing saved yet: a new run
-    interval = saved(tmp_path, "checkpoint_1_50.pt", toy["verifier"], age_s=5)
-    saved(tmp_path, "checkpoint_best.pt", toy["verifier"], truncate=True)
-    result = repair(tmp_path)
-    assert result.returncode == 0, result.stderr
+def test_a_cut_best_and_the_last_it_left_behind_both_become_the_save_they_copy(toy, tmp_path):
+    saved(tmp_path, "checkpoint_last.pt", toy["untrained_drafter"], age_s=60)  # the save before
+    interval = saved(tmp_path, "checkpoint_2_200.pt", toy["ar_drafter"], age_s=5)
+    saved(tmp_path, "checkpoint_best.pt", toy["ar_drafter"], truncate=True)
+    assert sorted(repaired(repair(tmp_path))) == ["checkpoint_best.pt", "checkpoint_last.pt"]
     for name in ("checkpoint_last.pt", "checkpoint_best.pt"):
         assert (tmp_path / name).read_bytes() == interval.read_bytes()
+    assert [path.name for path in tmp_path.glob("*.broken")] == ["checkpoint_best.pt.broken"]
 
 
-def test_a_cut_copy_without_a_readable_source_is_refused_in_one_line(toy, tmp_path):
+def test_a_last_a_first_save_never_wrote_is_restored_and_a_new_run_is_left_alone(toy, tmp_path):
+    new_run = repair(tmp_path)
+    assert repaired(new_run) == [] and list(tmp_path.iterdir()) == []
+    interval = saved(tmp_path, "checkpoint_1_1.pt", toy["untrained_drafter"])
+    assert repaired(repair(tmp_path)) == ["checkpoint_last.pt"]
+    assert (tmp_path / "checkpoint_last.pt").read_bytes() == interval.read_bytes()
+
+
+def test_a_directory_without_a_readable_checkpoint_is_refused_in_one_line(toy, tmp_path):
     saved(tmp_path, "checkpoint_last.pt", toy["verifier"], truncate=True)
     saved(tmp_path, "checkpoint_1_50.pt", toy["verifier"], truncate=True)
-    assert_one_line_error(repair(tmp_path), "holds no readable checkpoint to restore it from")
+    assert_one_line_error(
+        repair(tmp_path), "no checkpoint in", "can be read", "move its checkpoint*.pt files away"
+    )
     assert_one_line_error(repair(tmp_path / "nowhere"), "is not a directory")
 
 
 def test_the_campaign_repairs_a_stage_before_it_resumes_it(toy, tmp_path):
     stage = tmp_path / "work" / "verifier"
-    intact = saved(stage, "checkpoint_1_100.pt", toy["verifier"], age_s=5)
-    saved(stage, "checkpoint_last.pt", toy["verifier"], truncate=True)
+    intact = saved(stage, "checkpoint_1_200.pt", toy["ar_drafter"], age_s=5)
+    saved(stage, "checkpoint_last.pt", toy["ar_drafter"], truncate=True)
     # the stand-in fails unless it finds checkpoint_last.pt whole
     check = f"cmp -s {stage / 'checkpoint_last.pt'} {intact} || exit 7"
     out, _ = finish(campaign(tmp_path, stand_in(tmp_path, [5.0, 4.0], then=check)), 120)
-    assert "checkpoint_last.pt was missing or unreadable: replaced by checkpoint_1_100.pt" in out
+    assert "checkpoint_last.pt was behind checkpoint_1_200.pt" in out
     assert "training failed" not in out and (stage / "FINISHED").exists()
