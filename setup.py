@@ -19,9 +19,9 @@ class BuildWithPth(build_py):
 
 
 def requirement_lines(name):
-    """The requirements of a pip requirements file (its comments dropped)."""
+    """The requirement specifiers of a pip requirements file (comments dropped)."""
     lines = Path(__file__).with_name(name).read_text(encoding="utf-8").splitlines()
-    return [line for line in map(str.strip, lines) if line and not line.startswith("#")]
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
 
 
 setup(

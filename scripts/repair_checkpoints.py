@@ -4,23 +4,27 @@
     python scripts/repair_checkpoints.py SAVE_DIR
 
 fairseq writes each save's first checkpoint aside and renames it, but then *copies* it to
-checkpoint_best.pt and checkpoint_last.pt in place. A stop during a copy leaves a truncated
-file (the next run fails to resume from it), or a checkpoint_last.pt older than the save that
-was completed (the next run repeats up to 500 updates), or none after a run's first save (the
-next run starts from scratch). The checkpoint of the most updates that reads whole is what the
-cut copies should have been: an unreadable checkpoint_best.pt, and a checkpoint_last.pt that is
-unreadable, missing or of fewer updates, are replaced by it (the unreadable one kept as
-NAME.broken; a line per repair). Exits 0 when the directory can be resumed from, else with a
-one-line error.
+checkpoint_best.pt (when it is the best so far) and checkpoint_last.pt in place. A stop during
+a copy leaves a cut file (the next run fails to load it), or a checkpoint_last.pt of the save
+before (the next run repeats a save interval of updates), or none after a run's first save (the
+next run starts over). The save whose copies were cut is the newest complete checkpoint of the
+most updates: a cut copy is replaced by it (and kept as NAME.broken), and so is a
+checkpoint_last.pt (or, when that save was the best, a checkpoint_best.pt) that is missing or
+older, in updates and in time (a copy put there by hand is newer: it stays). A line per repair;
+exits 0 when the directory can be resumed from, else with a one-line error.
 """
 
 import argparse
 import os
 import re
 import shutil
+import zipfile
 from pathlib import Path
-from typing import Optional
 
+from fairseq import checkpoint_utils
+
+# (importing spec_nmt lets torch.load read fairseq checkpoints; an unreadable one raises
+# SpecNmtError naming it)
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.files import written_whole
 
@@ -30,18 +34,28 @@ LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
 SAVED_BY_FAIRSEQ = re.compile(r"checkpoint(\d+|_\d+_\d+|_best|_last)\.pt")
 
 
-def updates_saved(path: Path) -> Optional[int]:
-    """The update count a checkpoint was saved at; None when it cannot be read."""
-    # imported here: a new stage's empty directory is checked without loading torch and fairseq
-    from fairseq import checkpoint_utils
-
-    import spec_nmt.checkpoint_loading  # noqa: F401  (unreadable files raise SpecNmtError)
-
+def cut_short(path: Path) -> bool:
+    """Whether a checkpoint is an incomplete copy. torch.save writes a zip archive: a cut one
+    lacks its directory at the end or fails its checksums. (A file in torch's legacy format is
+    no zip archive, but loads.)"""
     try:
-        state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
-    except SpecNmtError:
-        return None
-    return state["optimizer_history"][-1]["num_updates"]
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is not None
+    except zipfile.BadZipFile:
+        try:
+            checkpoint_utils.load_checkpoint_to_cpu(str(path))
+        except SpecNmtError:
+            return True
+        return False
+
+
+def saved_at(path: Path):
+    """(updates, val_loss is the best so far) of a complete checkpoint; a file that is whole
+    but does not load stops the repair with its own error."""
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    extra = state.get("extra_state") or {}
+    was_best = extra.get("val_loss") is not None and extra.get("val_loss") == extra.get("best")
+    return state["optimizer_history"][-1]["num_updates"], was_best
 
 
 def repair(save_dir: Path) -> list:
@@ -51,24 +65,27 @@ def repair(save_dir: Path) -> list:
     saved = [path for path in save_dir.iterdir() if SAVED_BY_FAIRSEQ.fullmatch(path.name)]
     if not saved:
         return []  # a new run
-    updates = {path: updates_saved(path) for path in saved}
-    readable = [path for path in saved if updates[path] is not None]
-    if not readable:
+    cut = {path for path in saved if cut_short(path)}
+    if cut == set(saved):
         raise SpecNmtError(
-            f"no checkpoint in {save_dir} can be read ({', '.join(p.name for p in saved)}): "
-            "move its checkpoint*.pt files away to train from scratch"
+            f"every checkpoint in {save_dir} is cut short ({', '.join(p.name for p in saved)}): "
+            "nothing to resume from; move its checkpoint*.pt files away to train from scratch"
         )
-    # of the most updates; a copy's time is its copying: the newest is the cut save's own
-    source = max(readable, key=lambda path: (updates[path], path.stat().st_mtime))
-    last, best = save_dir / LAST, save_dir / BEST
-    stale = [best] if best in saved and updates[best] is None else []
-    if last not in readable or updates[last] < updates[source]:
-        stale.append(last)
+    state = {path: saved_at(path) for path in saved if path not in cut}
+    # of the most updates; a copy's time is that of its copying: the newest is the cut save's own
+    source = max(state, key=lambda path: (state[path][0], path.stat().st_mtime))
+    updates, was_best = state[source]
+
+    def behind(copy: Path) -> bool:
+        return copy in cut or not copy.exists() or (
+            state[copy][0] < updates and copy.stat().st_mtime < source.stat().st_mtime
+        )
+
+    best = save_dir / BEST
+    copies = [save_dir / LAST] + ([best] if was_best or best in cut else [])
     repairs = []
-    for copy in stale:
-        if copy == source:
-            continue
-        if copy.exists() and updates[copy] is None:
+    for copy in filter(behind, copies):
+        if copy in cut:
             os.replace(copy, f"{copy}.broken")
         with written_whole(copy) as partial:
             shutil.copyfile(source, partial)

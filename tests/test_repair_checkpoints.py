@@ -1,15 +1,21 @@
 """scripts/repair_checkpoints.py: the copies fairseq makes of a save (checkpoint_last.pt,
-checkpoint_best.pt), when a stop cut them short, left checkpoint_last.pt behind or never wrote
-it, are restored from the readable checkpoint of the most updates; the campaign repairs a stage
-before it goes on with it."""
+checkpoint_best.pt), when a stop cut them short, left them behind or never wrote them, are
+restored from the complete checkpoint of the most updates; the campaign repairs a stage before
+it goes on with it."""
 
 import os
 import subprocess
 import sys
+import zipfile
 
+import pytest
+from fairseq import checkpoint_utils
+
+from spec_nmt.checkpoint_loading import save_checkpoint
 from tests.conftest import REPO
 from tests.test_campaign import campaign, finish, stand_in
 from tests.test_errors import assert_one_line_error
+from tests.test_learning_curve import epoch_end_line, validation_line
 
 
 def repair(save_dir):
@@ -19,77 +25,107 @@ def repair(save_dir):
     )  # fmt: skip
 
 
-def saved(save_dir, name, source, age_s=0, truncate=False):
-    """Copy a real fairseq checkpoint into save_dir as name, age_s seconds old, perhaps cut in
-    half as a stop during fairseq's copy leaves it."""
-    save_dir.mkdir(parents=True, exist_ok=True)
-    path = save_dir / name
-    data = source.read_bytes()
-    path.write_bytes(data[: len(data) // 2] if truncate else data)
-    mtime = path.stat().st_mtime - age_s
-    os.utime(path, (mtime, mtime))
-    return path
-
-
 def repaired(result):
     """The names of the files a successful repair replaced."""
     assert result.returncode == 0, result.stderr
-    return [line.split(" was behind ")[0].rsplit("/", 1)[-1] for line in result.stdout.splitlines()]
+    return sorted(line.split(" was behind ")[0].rsplit("/", 1)[-1]
+                  for line in result.stdout.splitlines())  # fmt: skip
 
 
-def test_a_cut_last_is_restored_from_the_checkpoint_of_most_updates_not_the_newest(toy, tmp_path):
-    # (the toy checkpoints: ar_drafter saved at update 200, untrained_drafter at 1, verifier 300)
-    most = saved(tmp_path, "checkpoint_2_200.pt", toy["ar_drafter"], age_s=60)
-    saved(tmp_path, "checkpoint_3_1.pt", toy["untrained_drafter"], age_s=5)  # newer, fewer updates
-    best = saved(tmp_path, "checkpoint_best.pt", toy["untrained_drafter"], age_s=50)
-    cut = saved(tmp_path, "checkpoint_last.pt", toy["ar_drafter"], truncate=True).read_bytes()
-    # more updates, but not points of this run to resume from
-    saved(tmp_path, "checkpoint_final.pt", toy["verifier"])
-    saved(tmp_path, "checkpoint_last.pt.tmp", toy["verifier"])
+@pytest.fixture
+def saved(toy):
+    """saved(save_dir, name, updates, best=False, age_s=0, truncate=False): a fairseq checkpoint
+    (the toy verifier's) written as fairseq-train saves one at `updates`, whose validation was
+    the best so far or not, age_s seconds old, perhaps cut in half as a stop during fairseq's
+    copy leaves it."""
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(toy["verifier"]))
+
+    def save(save_dir, name, updates, best=False, age_s=0, truncate=False):
+        save_dir.mkdir(parents=True, exist_ok=True)
+        path = save_dir / name
+        state["optimizer_history"][-1]["num_updates"] = updates
+        state["extra_state"].update(val_loss=5.0, best=5.0 if best else 4.0)
+        save_checkpoint(state, path)
+        if truncate:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        mtime = path.stat().st_mtime - age_s
+        os.utime(path, (mtime, mtime))
+        return path
+
+    return save
+
+
+def test_a_cut_last_is_restored_from_the_checkpoint_of_most_updates_not_the_newest(saved, tmp_path):
+    best = saved(tmp_path, "checkpoint_best.pt", 100, best=True, age_s=50).read_bytes()
+    source = saved(tmp_path, "checkpoint_2_200.pt", 200, age_s=10)
+    saved(tmp_path, "checkpoint_1_150.pt", 150, age_s=5)  # newer, fewer updates
+    cut = saved(tmp_path, "checkpoint_last.pt", 200, truncate=True).read_bytes()
+    # more updates, but no points of this run to resume from
+    saved(tmp_path, "checkpoint_final.pt", 300)
+    saved(tmp_path, "checkpoint_last.pt.tmp", 300)
     result = repair(tmp_path)
     assert repaired(result) == ["checkpoint_last.pt"]
     assert "checkpoint_last.pt was behind checkpoint_2_200.pt" in result.stdout
-    assert (tmp_path / "checkpoint_last.pt").read_bytes() == most.read_bytes()
+    assert (tmp_path / "checkpoint_last.pt").read_bytes() == source.read_bytes()
     assert (tmp_path / "checkpoint_last.pt.broken").read_bytes() == cut
-    assert best.read_bytes() == toy["untrained_drafter"].read_bytes()  # readable: left alone
+    assert (tmp_path / "checkpoint_best.pt").read_bytes() == best  # not that save's: left alone
     assert not list(tmp_path.glob("*.partial"))
-    again = repair(tmp_path)
-    assert again.returncode == 0 and again.stdout == ""
+    assert repaired(repair(tmp_path)) == []
 
 
-def test_a_cut_best_and_the_last_it_left_behind_both_become_the_save_they_copy(toy, tmp_path):
-    saved(tmp_path, "checkpoint_last.pt", toy["untrained_drafter"], age_s=60)  # the save before
-    interval = saved(tmp_path, "checkpoint_2_200.pt", toy["ar_drafter"], age_s=5)
-    saved(tmp_path, "checkpoint_best.pt", toy["ar_drafter"], truncate=True)
-    assert sorted(repaired(repair(tmp_path))) == ["checkpoint_best.pt", "checkpoint_last.pt"]
+def test_a_cut_best_and_the_last_it_left_behind_both_become_the_save_they_copy(saved, tmp_path):
+    saved(tmp_path, "checkpoint_last.pt", 100, age_s=60)  # the save before
+    source = saved(tmp_path, "checkpoint_2_200.pt", 200, best=True, age_s=10)
+    saved(tmp_path, "checkpoint_best.pt", 200, best=True, age_s=5, truncate=True)
+    assert repaired(repair(tmp_path)) == ["checkpoint_best.pt", "checkpoint_last.pt"]
     for name in ("checkpoint_last.pt", "checkpoint_best.pt"):
-        assert (tmp_path / name).read_bytes() == interval.read_bytes()
+        assert (tmp_path / name).read_bytes() == source.read_bytes()
     assert [path.name for path in tmp_path.glob("*.broken")] == ["checkpoint_best.pt.broken"]
 
 
-def test_a_last_a_first_save_never_wrote_is_restored_and_a_new_run_is_left_alone(toy, tmp_path):
+def test_copies_a_first_save_never_made_are_made_and_a_copy_put_by_hand_stays(saved, tmp_path):
     new_run = repair(tmp_path)
     assert repaired(new_run) == [] and list(tmp_path.iterdir()) == []
-    interval = saved(tmp_path, "checkpoint_1_1.pt", toy["untrained_drafter"])
-    assert repaired(repair(tmp_path)) == ["checkpoint_last.pt"]
-    assert (tmp_path / "checkpoint_last.pt").read_bytes() == interval.read_bytes()
+    first = saved(tmp_path, "checkpoint_1_50.pt", 50, best=True)
+    assert repaired(repair(tmp_path)) == ["checkpoint_best.pt", "checkpoint_last.pt"]
+    assert (tmp_path / "checkpoint_last.pt").read_bytes() == first.read_bytes()
+    # a rollback: the last copy made by hand of an earlier save than the newest
+    saved(tmp_path, "checkpoint_2_100.pt", 100, age_s=60)
+    saved(tmp_path, "checkpoint_last.pt", 50)
+    assert repaired(repair(tmp_path)) == []
 
 
-def test_a_directory_without_a_readable_checkpoint_is_refused_in_one_line(toy, tmp_path):
-    saved(tmp_path, "checkpoint_last.pt", toy["verifier"], truncate=True)
-    saved(tmp_path, "checkpoint_1_50.pt", toy["verifier"], truncate=True)
-    assert_one_line_error(
-        repair(tmp_path), "no checkpoint in", "can be read", "move its checkpoint*.pt files away"
-    )
+def test_nothing_to_resume_from_or_a_whole_file_that_is_no_checkpoint_is_refused(saved, tmp_path):
+    saved(tmp_path, "checkpoint_last.pt", 50, truncate=True)
+    saved(tmp_path, "checkpoint_1_50.pt", 50, truncate=True)
+    assert_one_line_error(repair(tmp_path), "every checkpoint in", "is cut short",
+                          "move its checkpoint*.pt files away")  # fmt: skip
+    foreign = tmp_path / "checkpoint_2_100.pt"
+    with zipfile.ZipFile(foreign, "w") as archive:
+        archive.writestr("notes.txt", "not a checkpoint")
+    assert_one_line_error(repair(tmp_path), str(foreign), "not a readable fairseq checkpoint")
     assert_one_line_error(repair(tmp_path / "nowhere"), "is not a directory")
 
 
-def test_the_campaign_repairs_a_stage_before_it_resumes_it(toy, tmp_path):
+def test_the_campaign_repairs_a_stage_before_it_resumes_it(saved, tmp_path):
     stage = tmp_path / "work" / "verifier"
-    intact = saved(stage, "checkpoint_1_200.pt", toy["ar_drafter"], age_s=5)
-    saved(stage, "checkpoint_last.pt", toy["ar_drafter"], truncate=True)
+    source = saved(stage, "checkpoint_1_200.pt", 200, age_s=5)
+    saved(stage, "checkpoint_last.pt", 200, truncate=True)
     # the stand-in fails unless it finds checkpoint_last.pt whole
-    check = f"cmp -s {stage / 'checkpoint_last.pt'} {intact} || exit 7"
+    check = f"cmp -s {stage / 'checkpoint_last.pt'} {source} || exit 7"
     out, _ = finish(campaign(tmp_path, stand_in(tmp_path, [5.0, 4.0], then=check)), 120)
     assert "checkpoint_last.pt was behind checkpoint_1_200.pt" in out
     assert "training failed" not in out and (stage / "FINISHED").exists()
+
+
+def test_the_campaign_repairs_a_stage_it_finds_converged_before_the_next_step(saved, tmp_path):
+    stage = tmp_path / "work" / "verifier"
+    lines = [line for epoch, loss in enumerate([5.0, 4.0, 4.1, 4.2, 4.3], start=1)
+             for line in (validation_line(epoch, 100 * epoch, loss), epoch_end_line(epoch))]
+    stage.mkdir(parents=True)
+    (stage / "train.log").write_text("\n".join(lines) + "\n")
+    saved(stage, "checkpoint_5_500.pt", 500, age_s=5)
+    saved(stage, "checkpoint_last.pt", 500, truncate=True)
+    out, _ = finish(campaign(tmp_path, stand_in(tmp_path, [], then="exit 9")), 120)
+    assert "checkpoint_last.pt was behind checkpoint_5_500.pt" in out
+    assert ": training" not in out and (stage / "FINISHED").exists()  # not trained again
