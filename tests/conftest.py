@@ -3,6 +3,7 @@ fairseq, Spec-Drafters and a cached drafter trained through the plugin, all made
 session with the real command-line tools. `make test` runs the tests on every core
 (pytest-xdist); the workers share each of these builds."""
 
+import importlib.util
 import os
 import pickle
 import re
@@ -62,6 +63,14 @@ def fairseq(tool, *args, input_text=None, check=True):
             f"{result.stderr[-4000:]!s}"
         )
     return result
+
+
+def script_module(name):
+    """scripts/NAME.py imported as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def preprocess(raw_dir, dest_dir):

@@ -18,7 +18,7 @@ from fairseq.data import data_utils
 
 from spec_nmt.data_prep import check_raw_dir
 from spec_nmt.errors import SpecNmtError
-from tests.conftest import BIN, REPO, TINY_TRANSFORMER, built_once, fairseq
+from tests.conftest import BIN, REPO, TINY_TRANSFORMER, built_once, fairseq, script_module
 from tests.toy_corpus import make_pairs, write_corpus
 
 TINY_OVERRIDES = [
@@ -320,11 +320,7 @@ def test_prepare_checks_its_input(tmp_path):
 
 
 def test_wmt14_recipe_reads_archives_and_sgml(tmp_path):
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import prepare_wmt14
-    finally:
-        sys.path.pop(0)
+    prepare_wmt14 = script_module("prepare_wmt14")
     orig = tmp_path / "orig"
     orig.mkdir()
 

@@ -12,24 +12,18 @@ import pytest
 from fairseq import checkpoint_utils
 
 from spec_nmt.checkpoint_loading import save_checkpoint
-from tests.conftest import REPO
+from spec_nmt.errors import SpecNmtError
+from tests.conftest import REPO, script_module
 from tests.test_campaign import campaign, finish, stand_in
 from tests.test_errors import assert_one_line_error
 from tests.test_learning_curve import epoch_end_line, validation_line
 
-
-def repair(save_dir):
-    return subprocess.run(
-        [sys.executable, "scripts/repair_checkpoints.py", str(save_dir)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+repair = script_module("repair_checkpoints").repair
 
 
-def repaired(result):
-    """The names of the files a successful repair replaced."""
-    assert result.returncode == 0, result.stderr
-    return sorted(line.split(" was behind ")[0].rsplit("/", 1)[-1]
-                  for line in result.stdout.splitlines())  # fmt: skip
+def repaired(save_dir):
+    """The names of the files the repair of save_dir replaced."""
+    return sorted(copy.name for copy, _ in repair(save_dir))
 
 
 @pytest.fixture
@@ -63,48 +57,49 @@ def test_a_cut_last_is_restored_from_the_checkpoint_of_most_updates_not_the_newe
     # more updates, but no points of this run to resume from
     saved(tmp_path, "checkpoint_final.pt", 300)
     saved(tmp_path, "checkpoint_last.pt.tmp", 300)
-    result = repair(tmp_path)
-    assert repaired(result) == ["checkpoint_last.pt"]
-    assert "checkpoint_last.pt was behind checkpoint_2_200.pt" in result.stdout
+    assert repair(tmp_path) == [(tmp_path / "checkpoint_last.pt", source)]
     assert (tmp_path / "checkpoint_last.pt").read_bytes() == source.read_bytes()
     assert (tmp_path / "checkpoint_last.pt.broken").read_bytes() == cut
     assert (tmp_path / "checkpoint_best.pt").read_bytes() == best  # not that save's: left alone
     assert not list(tmp_path.glob("*.partial"))
-    assert repaired(repair(tmp_path)) == []
+    assert repaired(tmp_path) == []
 
 
 def test_a_cut_best_and_the_last_it_left_behind_both_become_the_save_they_copy(saved, tmp_path):
     saved(tmp_path, "checkpoint_last.pt", 100, age_s=60)  # the save before
     source = saved(tmp_path, "checkpoint_2_200.pt", 200, best=True, age_s=10)
     saved(tmp_path, "checkpoint_best.pt", 200, best=True, age_s=5, truncate=True)
-    assert repaired(repair(tmp_path)) == ["checkpoint_best.pt", "checkpoint_last.pt"]
+    assert repaired(tmp_path) == ["checkpoint_best.pt", "checkpoint_last.pt"]
     for name in ("checkpoint_last.pt", "checkpoint_best.pt"):
         assert (tmp_path / name).read_bytes() == source.read_bytes()
     assert [path.name for path in tmp_path.glob("*.broken")] == ["checkpoint_best.pt.broken"]
 
 
 def test_copies_a_first_save_never_made_are_made_and_a_copy_put_by_hand_stays(saved, tmp_path):
-    new_run = repair(tmp_path)
-    assert repaired(new_run) == [] and list(tmp_path.iterdir()) == []
+    assert repaired(tmp_path) == [] and list(tmp_path.iterdir()) == []  # a new run
     first = saved(tmp_path, "checkpoint_1_50.pt", 50, best=True)
-    assert repaired(repair(tmp_path)) == ["checkpoint_best.pt", "checkpoint_last.pt"]
+    assert repaired(tmp_path) == ["checkpoint_best.pt", "checkpoint_last.pt"]
     assert (tmp_path / "checkpoint_last.pt").read_bytes() == first.read_bytes()
     # a rollback: the last copy made by hand of an earlier save than the newest
     saved(tmp_path, "checkpoint_2_100.pt", 100, age_s=60)
     saved(tmp_path, "checkpoint_last.pt", 50)
-    assert repaired(repair(tmp_path)) == []
+    assert repaired(tmp_path) == []
 
 
 def test_nothing_to_resume_from_or_a_whole_file_that_is_no_checkpoint_is_refused(saved, tmp_path):
     saved(tmp_path, "checkpoint_last.pt", 50, truncate=True)
     saved(tmp_path, "checkpoint_1_50.pt", 50, truncate=True)
-    assert_one_line_error(repair(tmp_path), "every checkpoint in", "is cut short",
+    command = [sys.executable, "scripts/repair_checkpoints.py", str(tmp_path)]
+    refused = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(refused, "every checkpoint in", "is cut short",
                           "move its checkpoint*.pt files away")  # fmt: skip
     foreign = tmp_path / "checkpoint_2_100.pt"
     with zipfile.ZipFile(foreign, "w") as archive:
         archive.writestr("notes.txt", "not a checkpoint")
-    assert_one_line_error(repair(tmp_path), str(foreign), "not a readable fairseq checkpoint")
-    assert_one_line_error(repair(tmp_path / "nowhere"), "is not a directory")
+    with pytest.raises(SpecNmtError, match="checkpoint_2_100.pt is not a readable fairseq"):
+        repair(tmp_path)
+    with pytest.raises(SpecNmtError, match="nowhere is not a directory"):
+        repair(tmp_path / "nowhere")
 
 
 def test_the_campaign_repairs_a_stage_before_it_resumes_it(saved, tmp_path):
