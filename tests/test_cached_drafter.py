@@ -153,6 +153,29 @@ def test_validation_logs_the_acceptance_that_decoding_measures(toy):
     assert best["optimizer_history"][-1]["num_updates"] == best_updates[-1]
 
 
+def test_acceptance_can_be_measured_on_the_first_sentences_only(pair):
+    """--eval-acceptance-sentences N: a validation batch counts the drafts and iterations of
+    its sentences of id below N only, the same counts as decoding those sentences alone."""
+    task, drafter, _ = pair
+    task.load_dataset("valid")
+    dataset = task.dataset("valid")
+    everything = dataset.collater([dataset[i] for i in range(len(dataset))])
+    first = len(dataset) // 3
+    only_first = dataset.collater([dataset[i] for i in range(first)])
+    assert task.cfg.eval_acceptance_sentences == 0  # the default: every sentence
+    all_counts = task._acceptance_counts(everything, drafter)
+    expected = task._acceptance_counts(only_first, drafter)
+    try:
+        task.cfg.eval_acceptance_sentences = first
+        assert task._acceptance_counts(everything, drafter) == expected
+        assert task._acceptance_counts(only_first, drafter) == expected
+        later = dataset.collater([dataset[i] for i in range(first, len(dataset))])
+        assert task._acceptance_counts(later, drafter) == {}
+    finally:
+        task.cfg.eval_acceptance_sentences = 0
+    assert expected["_accepted_lossless_iterations"] < all_counts["_accepted_lossless_iterations"]
+
+
 def test_acceptance_verifier_must_be_a_verifier(toy, tmp_path):
     result = train_drafter(
         toy["bin"], tmp_path / "d", 1, "--eval-acceptance-verifier", toy["drafter"], check=False

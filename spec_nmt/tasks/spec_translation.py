@@ -129,6 +129,14 @@ class SpecTranslationConfig(TranslationConfig):
             "the drafter that agrees best"
         },
     )
+    eval_acceptance_sentences: int = field(
+        default=0,
+        metadata={
+            "help": "with --eval-acceptance-verifier: decode only the validation sentences of id "
+            "below N (the first N lines of the validation set; 0: every sentence). Each "
+            "validation then decodes N sentences once per measured rule instead of the whole set"
+        },
+    )
 
 
 @register_task("spec_translation", dataclass=SpecTranslationConfig)
@@ -138,6 +146,10 @@ class SpecTranslationTask(TranslationTask):
     def __init__(self, cfg: SpecTranslationConfig, src_dict, tgt_dict):
         if cfg.cuts_per_sentence < 1:
             raise SpecNmtError(f"--cuts-per-sentence must be >= 1, got {cfg.cuts_per_sentence}")
+        if cfg.eval_acceptance_sentences < 0:
+            raise SpecNmtError(
+                f"--eval-acceptance-sentences must be >= 0, got {cfg.eval_acceptance_sentences}"
+            )
         # the rule's flags, checked now (fairseq's generation flags join them in build_generator)
         DecodingSettings.from_fairseq(cfg, None, DEFAULTS.seed)
         super().__init__(cfg, src_dict, tgt_dict)
@@ -209,8 +221,9 @@ class SpecTranslationTask(TranslationTask):
         """Accepted drafts and iterations of each measured rule on this validation batch."""
         verifier_model = self._verifier_for_acceptance(drafter_model)
         drafter = drafter_adapter(drafter_model, self.target_dictionary)
-        net_input = sample["net_input"]
-        source = {"net_input": {k: net_input[k] for k in ("src_tokens", "src_lengths")}}
+        source = self._acceptance_source(sample)
+        if source is None:
+            return {}
         counts = {}
         for name, settings in self.acceptance_settings().items():
             generator = self.generator_for(verifier_model, drafter, settings)
@@ -218,6 +231,23 @@ class SpecTranslationTask(TranslationTask):
             counts[f"_{name}_drafts"] = generator.stats.accepted_tokens
             counts[f"_{name}_iterations"] = generator.stats.iterations
         return counts
+
+    def _acceptance_source(self, sample) -> Optional[Dict]:
+        """The batch's sentences that --eval-acceptance-sentences selects, as generator input
+        (None when it selects none)."""
+        src_tokens = sample["net_input"]["src_tokens"]
+        src_lengths = sample["net_input"]["src_lengths"]
+        limit = self.cfg.eval_acceptance_sentences
+        if limit:
+            chosen = sample["id"] < limit
+            if not bool(chosen.any()):
+                return None
+            src_lengths = src_lengths[chosen]
+            # without the padding columns only the dropped rows needed
+            width = int(src_lengths.max())
+            columns = slice(-width, None) if self.cfg.left_pad_source else slice(0, width)
+            src_tokens = src_tokens[chosen][:, columns]
+        return {"net_input": {"src_tokens": src_tokens, "src_lengths": src_lengths}}
 
     def _verifier_for_acceptance(self, drafter_model):
         if self._acceptance_verifier is None:
@@ -235,8 +265,10 @@ class SpecTranslationTask(TranslationTask):
                 f"{name} (beta {s.beta}, tau {s.tau:g})"
                 for name, s in self.acceptance_settings().items()
             )
-            logger.info("validation decodes with the verifier %s at k=%d: %s", path,
-                        self.cfg.block_size, rules)  # fmt: skip
+            sentences = self.cfg.eval_acceptance_sentences
+            logger.info("validation decodes %s with the verifier %s at k=%d: %s",
+                        f"its first {sentences} sentences" if sentences else "every sentence",
+                        path, self.cfg.block_size, rules)  # fmt: skip
         return self._acceptance_verifier
 
     def _load_beside(self, path: str, state, reference_model):
