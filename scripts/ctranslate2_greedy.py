@@ -51,7 +51,8 @@ def main():
         results = translator.translate_batch(batch, beam_size=1, max_decoding_length=limit)
         return [result.hypotheses[0] for result in results]
 
-    translate(pieces[: args.warmup_lines])
+    if args.warmup_lines > 0:
+        translate(pieces[: args.warmup_lines])
     order = sorted(range(len(pieces)), key=lambda i: len(pieces[i]))
     report = {"compute_type": args.compute_type, "ctranslate2": ctranslate2.__version__}
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
