@@ -6,8 +6,10 @@
 # RAW_DIR holds the raw {train,valid,test}.{de,en}: the final BLEU is scored against its
 # references, and its size sets the distillation's shards. Each stage writes under WORK_DIR
 # (verifier/, distilled/, drafter-cached/, drafter-spec/); training stages append to their
-# train.log. The extra flags go to every fairseq-train before the stage's own flags, which they
-# therefore cannot change.
+# train.log. The extra flags go to every fairseq-train after the campaign's checkpoint flags
+# (--save-interval-updates 500 --keep-interval-updates 5 --max-epoch 30), which they can change,
+# and before the stage's own flags, which they cannot. finish_verifier.py averages the last 5
+# interval checkpoints: keep 5 or more.
 # Run it again after any stop: finished stages are skipped and the one in progress resumes from
 # its checkpoint_last.pt (repaired first if the stop cut fairseq's copies short:
 # repair_checkpoints.py) or, for distillation, its last finished shard. Stopping the campaign
@@ -26,6 +28,15 @@ EXTRA=("${@:5}")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 PATIENCE=${PATIENCE:-3}
 [[ $PATIENCE =~ ^[0-9]+$ ]] || { echo "$0: PATIENCE must be a number, got $PATIENCE" >&2; exit 2; }
+# One campaign per WORK_DIR. Every step inherits the lock, so a step that outlived a campaign
+# killed without its traps (SIGKILL) keeps a second campaign from training beside it.
+mkdir -p "$WORK"
+exec 9> "$WORK/.campaign.lock"
+flock -n 9 || {
+  echo "$0: $WORK is in use by another campaign, or by a step a killed campaign left running" \
+       "(the processes that hold $WORK/.campaign.lock): stop it first" >&2
+  exit 1
+}
 DEVICE=()
 python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || DEVICE=(--cpu)
 
@@ -144,10 +155,12 @@ main() {
                     --beta 3 --tau 1 --best-checkpoint-metric accepted_lossless
                     --maximize-best-checkpoint-metric --required-batch-size-multiple 1)
   local kind size
+  # a drafter has stopped learning when its acceptance gains 0.01 tokens per iteration or less
+  # in 3 epochs: a metric creeping by thousandths would otherwise run to --max-epoch
   for kind in cached spec; do
     size=$([ $kind = cached ] && echo cached_small || echo small)
     train "drafter-$kind" --metrics loss,acc,accepted_lossless,accepted_top_beta \
-      --best-metric accepted_lossless --maximize -- \
+      --best-metric accepted_lossless --maximize --min-delta 0.01 -- \
       "$SCRIPTS/train_drafter.sh" "$WORK/distilled" "$WORK/drafter-$kind" "$size" \
       "${epochs[@]}" "${acceptance[@]}"
   done

@@ -2,7 +2,8 @@
 """The validations of fairseq-train logs as a markdown table: the learning curve of a model card.
 
     python scripts/learning_curve.py ../runs/verifier/train.log [more logs of the same run] \
-        [--metrics loss,ppl,bleu] [--epoch-ends] [--converged N [--best-metric loss] [--maximize]]
+        [--metrics loss,ppl,bleu] [--epoch-ends] \
+        [--converged N [--best-metric loss] [--maximize] [--min-delta D]]
 
 One row per validation (epoch, update, then each metric as logged); a run resumed several times
 has several logs: give them in order, and a validation logged twice (a resumed run repeats the
@@ -13,8 +14,10 @@ each finished epoch only (fairseq also validates at every mid-epoch save). For a
 After the table, a line says where the best validation was and how many came after it. With
 --converged N the exit status says whether the run has converged by the rule "the best metric has
 not improved over N validations in a row": 0 if so, 1 if not (also before any validation; 2: an
-error); with --epoch-ends, N validated epochs. fairseq's own --patience cannot say this of a
-resumed run: it counts from the first validation of each fairseq-train process.
+error); with --epoch-ends, N validated epochs. With --min-delta D only a gain of more than D over
+the best counts as an improvement (a metric creeping up by thousandths has stopped rising).
+fairseq's own --patience cannot say this of a resumed run: it counts from the first validation of
+each fairseq-train process.
 """
 
 import argparse
@@ -45,13 +48,17 @@ def validations(paths):
     return dict(sorted(found.items())), finished
 
 
-def since_best(rows, metric: str, maximize: bool):
-    """(update of the best validation, number of validations after it); the first of equal
-    values is the best, as a later equal one is no improvement."""
+def since_best(rows, metric: str, maximize: bool, min_delta: float = 0.0):
+    """(update of the best validation, number of validations after it); a validation is the new
+    best only when it beats the best by more than ``min_delta`` (so the first of equal values is
+    the best, as a later equal one is no improvement)."""
     best_update, best_value, after = None, None, 0
     for update, (_, fields) in rows.items():
         value = float(fields[metric])
-        if best_value is None or (value > best_value if maximize else value < best_value):
+        improved = best_value is None or (
+            (value - best_value if maximize else best_value - value) > min_delta
+        )
+        if improved:
             best_update, best_value, after = update, value, 0
         else:
             after += 1
@@ -80,6 +87,8 @@ def main():
                         help="higher --best-metric is better (e.g. accepted_lossless)")
     parser.add_argument("--converged", type=int, metavar="N",
                         help="exit status 0 if the best validation has N or more after it, else 1")
+    parser.add_argument("--min-delta", type=float, default=0.0, metavar="D",
+                        help="a validation improves on the best only by a gain of more than D")
     args = parser.parse_args()
     rows, finished = validations(args.logs)
     if args.epoch_ends:
@@ -97,7 +106,9 @@ def main():
              status=2 if args.converged is None else 1)
     if any(args.best_metric not in fields for _, fields in rows.values()):
         fail(f"--best-metric {args.best_metric}: not logged at every validation")
-    best_update, after = since_best(rows, args.best_metric, args.maximize)
+    if args.min_delta < 0:
+        fail(f"--min-delta must be >= 0, got {args.min_delta:g}")
+    best_update, after = since_best(rows, args.best_metric, args.maximize, args.min_delta)
     best_epoch, best_fields = rows[best_update]
     print(f"\nbest {args.best_metric} {best_fields[args.best_metric]} at update {best_update} "
           f"(epoch {best_epoch}), {after} validation(s) after it")

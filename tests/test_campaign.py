@@ -73,6 +73,17 @@ def cleanup(tmp_path):
                     pass
 
 
+def started(run, tmp_path) -> None:
+    """Wait (60 s at most) until the stand-in of campaign ``run`` has written both its pids."""
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / name).is_file() and (tmp_path / name).read_text().strip()
+                  for name in ("pid", "worker")):  # fmt: skip
+        if time.monotonic() > deadline or run.poll() is not None:
+            run.kill()
+            pytest.fail(f"the stand-in did not start: {run.communicate()}")
+        time.sleep(0.1)
+
+
 def stopped(tmp_path) -> bool:
     """Whether the stand-in and its worker are gone (allowing them 10 s)."""
     pids = [int((tmp_path / name).read_text()) for name in ("pid", "worker")]
@@ -122,15 +133,35 @@ def test_a_crash_before_convergence_stops_the_campaign_and_the_stage_stays_unfin
 def test_stopping_the_campaign_stops_its_training(tmp_path, cleanup, stop):
     bin_dir = stand_in(tmp_path, [5.0, 4.0], then=waiting(tmp_path))
     run = campaign(tmp_path, bin_dir)
-    deadline = time.monotonic() + 60
-    while not all((tmp_path / name).is_file() and (tmp_path / name).read_text().strip()
-                  for name in ("pid", "worker")):  # fmt: skip
-        if time.monotonic() > deadline or run.poll() is not None:
-            run.kill()
-            pytest.fail(f"the stand-in did not start: {run.communicate()}")
-        time.sleep(0.1)
+    started(run, tmp_path)
     run.send_signal(stop)
     finish(run, 30)
     assert run.returncode != 0
     assert stopped(tmp_path)
     assert not (tmp_path / "work" / "verifier" / "FINISHED").exists()
+
+
+def test_a_second_campaign_is_refused_while_a_step_of_a_killed_one_still_runs(tmp_path, cleanup):
+    """SIGKILL leaves the campaign no trap to stop its step: the orphaned training holds the
+    campaign's lock, so a restarted campaign refuses to train beside it until it is gone."""
+    bin_dir = stand_in(tmp_path, [5.0, 4.0], then=waiting(tmp_path))
+    run = campaign(tmp_path, bin_dir)
+    started(run, tmp_path)
+    run.kill()
+    finish(run, 30)
+    orphan = int((tmp_path / "pid").read_text())
+    assert alive(orphan)
+    second = campaign(tmp_path, bin_dir)
+    _, err = finish(second, 60)
+    assert second.returncode == 1
+    assert "in use by another campaign" in err and err.strip().endswith("stop it first"), err
+    assert alive(orphan)
+    os.killpg(orphan, signal.SIGKILL)  # the stand-in leads its group (setsid): its worker too
+    assert stopped(tmp_path)
+    for name in ("pid", "worker"):
+        (tmp_path / name).write_text("")
+    third = campaign(tmp_path, bin_dir)  # the lock is free again: the stage trains
+    started(third, tmp_path)
+    third.send_signal(signal.SIGTERM)
+    finish(third, 30)
+    assert stopped(tmp_path)

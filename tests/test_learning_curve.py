@@ -76,3 +76,31 @@ def test_errors_exit_2_in_one_line_not_1_as_not_converged(tmp_path):
     result = run([log], "--converged", "3")
     assert result.returncode == 2  # (it lacks num_updates)
     assert result.stderr.strip().splitlines() == ["learning_curve.py: KeyError: 'num_updates'"]
+
+
+def test_min_delta_counts_only_gains_larger_than_it_as_improvements(tmp_path):
+    # acceptance to maximize, epoch by epoch: 1.0, 1.5, then creeping by thousandths
+    log = tmp_path / "train.log"
+    lines = []
+    for epoch, accepted in enumerate([1.0, 1.5, 1.505, 1.508, 1.509, 1.512], start=1):
+        lines += [validation_line(epoch, 100 * epoch, accepted), epoch_end_line(epoch)]
+    log.write_text("\n".join(lines) + "\n")
+    flags = ["--epoch-ends", "--maximize", "--converged", "3"]
+    plain = run([log], *flags)
+    assert plain.returncode == 1  # every thousandth is an improvement: still rising
+    assert "best loss 1.512 at update 600 (epoch 6), 0 validation(s) after it" in plain.stdout
+    # gains over the best 1.5 of 0.005, 0.008, 0.009: none; then 0.012: a new best
+    some = run([log], *flags, "--min-delta", "0.01")
+    assert "best loss 1.512 at update 600 (epoch 6), 0 validation(s) after it" in some.stdout
+    stopped = run([log], *flags, "--min-delta", "0.02")
+    assert "best loss 1.5 at update 200 (epoch 2), 4 validation(s) after it" in stopped.stdout
+    assert stopped.returncode == 0
+    # to minimize: a fall of exactly D is no improvement
+    falling = tmp_path / "falling.log"
+    falling.write_text("\n".join([validation_line(1, 100, 5.0), epoch_end_line(1),
+                                  validation_line(2, 200, 4.5), epoch_end_line(2)]) + "\n")  # fmt: skip
+    assert "best loss 5.0 at update 100" in run([falling], "--min-delta", "0.5").stdout
+    assert "best loss 4.5 at update 200" in run([falling], "--min-delta", "0.4").stdout
+    bad = run([falling], "--min-delta", "-1")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["learning_curve.py: --min-delta must be >= 0, got -1"]
