@@ -37,7 +37,8 @@ def check_same_settings(path: Path, settings) -> None:
     """Shards made with another verifier, beam or batching must not be mixed: the first run
     writes its settings, later runs must match them."""
     if not path.is_file():
-        path.write_text(json.dumps(settings, indent=1) + "\n")
+        with written_whole(path) as partial:
+            partial.write_text(json.dumps(settings, indent=1) + "\n")
         return
     recorded = json.loads(path.read_text())
     changed = sorted(key for key in settings if recorded.get(key) != settings[key])
