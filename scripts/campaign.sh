@@ -15,9 +15,11 @@
 # repair_checkpoints.py) or, for distillation, its last finished shard. Stopping the campaign
 # (Ctrl-C, kill) stops what it runs.
 # A training stage is finished when its log shows PATIENCE finished, validated epochs without
-# improvement of the validation metric (learning_curve.py --epoch-ends --converged, checked as
-# each epoch ends: fairseq's --patience also counts the validations of mid-epoch saves, and
-# forgets its count when it resumes), or when fairseq-train exits by itself (--max-epoch 30).
+# improvement of the validation metric (for a drafter: acceptance gained no more than 0.01)
+# (learning_curve.py --epoch-ends --converged, checked as each epoch ends: fairseq's --patience
+# also counts the validations of mid-epoch saves, and forgets its count when it resumes), or
+# when fairseq-train exits by itself (--max-epoch 30). A second campaign on the same WORK_DIR is
+# refused while this one, or a training it left running, holds WORK_DIR/.campaign.lock.
 set -euo pipefail
 USAGE="usage: $0 DATA_BIN SPM_MODEL RAW_DIR WORK_DIR [fairseq-train flags]"
 DATA_BIN=${1:?$USAGE}
@@ -28,15 +30,21 @@ EXTRA=("${@:5}")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 PATIENCE=${PATIENCE:-3}
 [[ $PATIENCE =~ ^[0-9]+$ ]] || { echo "$0: PATIENCE must be a number, got $PATIENCE" >&2; exit 2; }
-# One campaign per WORK_DIR. Every step inherits the lock, so a step that outlived a campaign
-# killed without its traps (SIGKILL) keeps a second campaign from training beside it.
+# One campaign per WORK_DIR. The steps inherit the lock (fairseq-train and its data loader
+# workers; not what Python starts with subprocess, which closes it), so a training that outlived
+# a campaign killed without its traps (SIGKILL) keeps a second campaign from training beside it.
 mkdir -p "$WORK"
 exec 9> "$WORK/.campaign.lock"
-flock -n 9 || {
+locked=0
+flock -n 9 || locked=$?
+if (( locked == 1 )); then
   echo "$0: $WORK is in use by another campaign, or by a step a killed campaign left running" \
        "(the processes that hold $WORK/.campaign.lock): stop it first" >&2
   exit 1
-}
+elif (( locked != 0 )); then
+  echo "$0: cannot lock $WORK/.campaign.lock (flock exit status $locked)" >&2
+  exit "$locked"
+fi
 DEVICE=()
 python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || DEVICE=(--cpu)
 

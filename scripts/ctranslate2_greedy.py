@@ -46,13 +46,14 @@ def main():
     )
 
     def translate(batch):
+        if not batch:
+            return []
         # fairseq counts the source's EOS in its length: so does the limit here
         limit = int(args.max_len_a * max(len(p) + 1 for p in batch) + args.max_len_b)
         results = translator.translate_batch(batch, beam_size=1, max_decoding_length=limit)
         return [result.hypotheses[0] for result in results]
 
-    if args.warmup_lines > 0:
-        translate(pieces[: args.warmup_lines])
+    translate(pieces[: args.warmup_lines])
     order = sorted(range(len(pieces)), key=lambda i: len(pieces[i]))
     report = {"compute_type": args.compute_type, "ctranslate2": ctranslate2.__version__}
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):

@@ -40,7 +40,10 @@ def check_same_settings(path: Path, settings) -> None:
         with written_whole(path) as partial:
             partial.write_text(json.dumps(settings, indent=1) + "\n")
         return
-    recorded = json.loads(path.read_text())
+    try:
+        recorded = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise SpecNmtError(f"{path} is not JSON ({error}): remove it and run again") from error
     changed = sorted(key for key in settings if recorded.get(key) != settings[key])
     if changed:
         raise SpecNmtError(

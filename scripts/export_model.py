@@ -37,6 +37,8 @@ def compact_checkpoint(src: Path, dst: Path) -> int:
         cfg.model.init_from_verifier = None
     if getattr(cfg.task, "eval_acceptance_verifier", None):  # a training-time path
         cfg.task.eval_acceptance_verifier = None
+        if "eval_acceptance_sentences" in cfg.task:  # (drafters trained before the flag lack it)
+            cfg.task.eval_acceptance_sentences = 0
     save_checkpoint(state, dst)
     return dst.stat().st_size
 

@@ -55,8 +55,9 @@ def since_best(rows, metric: str, maximize: bool, min_delta: float = 0.0):
     best_update, best_value, after = None, None, 0
     for update, (_, fields) in rows.items():
         value = float(fields[metric])
+        # rounded: logged values have a few decimals, and 1.51 - 1.5 is 0.01000000000000001
         improved = best_value is None or (
-            (value - best_value if maximize else best_value - value) > min_delta
+            round(value - best_value if maximize else best_value - value, 9) > min_delta
         )
         if improved:
             best_update, best_value, after = update, value, 0
@@ -90,6 +91,8 @@ def main():
     parser.add_argument("--min-delta", type=float, default=0.0, metavar="D",
                         help="a validation improves on the best only by a gain of more than D")
     args = parser.parse_args()
+    if args.min_delta < 0:
+        fail(f"--min-delta must be >= 0, got {args.min_delta:g}")
     rows, finished = validations(args.logs)
     if args.epoch_ends:
         last_of_epoch = {epoch: update for update, (epoch, _) in rows.items() if epoch in finished}
@@ -106,8 +109,6 @@ def main():
              status=2 if args.converged is None else 1)
     if any(args.best_metric not in fields for _, fields in rows.values()):
         fail(f"--best-metric {args.best_metric}: not logged at every validation")
-    if args.min_delta < 0:
-        fail(f"--min-delta must be >= 0, got {args.min_delta:g}")
     best_update, after = since_best(rows, args.best_metric, args.maximize, args.min_delta)
     best_epoch, best_fields = rows[best_update]
     print(f"\nbest {args.best_metric} {best_fields[args.best_metric]} at update {best_update} "

@@ -92,6 +92,7 @@ def test_min_delta_counts_only_gains_larger_than_it_as_improvements(tmp_path):
     # gains over the best 1.5 of 0.005, 0.008, 0.009: none; then 0.012: a new best
     some = run([log], *flags, "--min-delta", "0.01")
     assert "best loss 1.512 at update 600 (epoch 6), 0 validation(s) after it" in some.stdout
+    assert some.returncode == 1
     stopped = run([log], *flags, "--min-delta", "0.02")
     assert "best loss 1.5 at update 200 (epoch 2), 4 validation(s) after it" in stopped.stdout
     assert stopped.returncode == 0
@@ -101,6 +102,10 @@ def test_min_delta_counts_only_gains_larger_than_it_as_improvements(tmp_path):
                                   validation_line(2, 200, 4.5), epoch_end_line(2)]) + "\n")  # fmt: skip
     assert "best loss 5.0 at update 100" in run([falling], "--min-delta", "0.5").stdout
     assert "best loss 4.5 at update 200" in run([falling], "--min-delta", "0.4").stdout
-    bad = run([falling], "--min-delta", "-1")
+    # a gain of exactly D is none, whatever the floats make of the difference (1.51 - 1.5 > 0.01)
+    exact = tmp_path / "exact.log"
+    exact.write_text("\n".join([validation_line(1, 100, 1.5), validation_line(2, 200, 1.51)]) + "\n")
+    assert "best loss 1.5 at update 100" in run([exact], "--maximize", "--min-delta", "0.01").stdout
+    bad = run([tmp_path / "empty.log"], "--converged", "3", "--min-delta", "-1")  # before reading
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["learning_curve.py: --min-delta must be >= 0, got -1"]

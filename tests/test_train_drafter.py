@@ -10,6 +10,7 @@ from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 from omegaconf import OmegaConf
 
+from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, adopt_verifier_layout
 from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import BLOCK_SIZE, train_drafter, train_losses
@@ -66,6 +67,21 @@ def test_several_cuts_share_one_encoder_pass(toy):
         shared, _ = drafter(src, torch.tensor([4, 4]), prev)
         copied, _ = drafter(src.repeat_interleave(2, dim=0), torch.full((4,), 4), prev)
     torch.testing.assert_close(shared, copied)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [({"cuts_per_sentence": 0}, "--cuts-per-sentence must be >= 1, got 0"),
+     ({"eval_acceptance_sentences": -1}, "--eval-acceptance-sentences must be >= 0, got -1"),
+     ({"eval_acceptance_sentences": 100}, "give that too")],
+)  # fmt: skip
+def test_bad_drafter_training_flags_are_refused_in_one_line(flags, message):
+    dictionary = Dictionary()
+    with pytest.raises(SpecNmtError, match=message):
+        SpecTranslationTask(SpecTranslationConfig(**flags), dictionary, dictionary)
+    with_verifier = SpecTranslationConfig(eval_acceptance_sentences=100,
+                                          eval_acceptance_verifier="verifier.pt")  # fmt: skip
+    SpecTranslationTask(with_verifier, dictionary, dictionary)
 
 
 def test_drafter_loss_falls_and_reports_block_accuracy(toy):

@@ -150,6 +150,11 @@ class SpecTranslationTask(TranslationTask):
             raise SpecNmtError(
                 f"--eval-acceptance-sentences must be >= 0, got {cfg.eval_acceptance_sentences}"
             )
+        if cfg.eval_acceptance_sentences and not cfg.eval_acceptance_verifier:
+            raise SpecNmtError(
+                "--eval-acceptance-sentences selects what --eval-acceptance-verifier decodes: "
+                "give that too"
+            )
         # the rule's flags, checked now (fairseq's generation flags join them in build_generator)
         DecodingSettings.from_fairseq(cfg, None, DEFAULTS.seed)
         super().__init__(cfg, src_dict, tgt_dict)
@@ -218,18 +223,20 @@ class SpecTranslationTask(TranslationTask):
         return settings
 
     def _acceptance_counts(self, sample, drafter_model) -> Dict[str, int]:
-        """Accepted drafts and iterations of each measured rule on this validation batch."""
+        """Accepted drafts and iterations of each measured rule on this validation batch; zeros
+        for a batch without a selected sentence (DDP sums the same keys from every worker)."""
         verifier_model = self._verifier_for_acceptance(drafter_model)
         drafter = drafter_adapter(drafter_model, self.target_dictionary)
         source = self._acceptance_source(sample)
-        if source is None:
-            return {}
         counts = {}
         for name, settings in self.acceptance_settings().items():
-            generator = self.generator_for(verifier_model, drafter, settings)
-            generator.generate([verifier_model], source)
-            counts[f"_{name}_drafts"] = generator.stats.accepted_tokens
-            counts[f"_{name}_iterations"] = generator.stats.iterations
+            drafts = iterations = 0
+            if source is not None:
+                generator = self.generator_for(verifier_model, drafter, settings)
+                generator.generate([verifier_model], source)
+                drafts, iterations = generator.stats.accepted_tokens, generator.stats.iterations
+            counts[f"_{name}_drafts"] = drafts
+            counts[f"_{name}_iterations"] = iterations
         return counts
 
     def _acceptance_source(self, sample) -> Optional[Dict]:
@@ -243,10 +250,9 @@ class SpecTranslationTask(TranslationTask):
             if not bool(chosen.any()):
                 return None
             src_lengths = src_lengths[chosen]
-            # without the padding columns only the dropped rows needed
-            width = int(src_lengths.max())
-            columns = slice(-width, None) if self.cfg.left_pad_source else slice(0, width)
-            src_tokens = src_tokens[chosen][:, columns]
+            src_tokens = src_tokens[chosen]
+            # without the padding columns that only the other rows needed
+            src_tokens = src_tokens[:, src_tokens.ne(self.source_dictionary.pad()).any(dim=0)]
         return {"net_input": {"src_tokens": src_tokens, "src_lengths": src_lengths}}
 
     def _verifier_for_acceptance(self, drafter_model):
