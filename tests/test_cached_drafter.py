@@ -36,6 +36,17 @@ def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
         drafter.check_encoder_matches(verifier)
     with torch.no_grad():
         verifier.encoder.layers[0].fc1.weight[0, 0] -= 1e-3
+    # the verifier of a model directory (fp16 weights, export_model.py) is the same encoder
+    fp32 = {name: tensor.clone() for name, tensor in verifier.encoder.state_dict().items()}
+    try:
+        with torch.no_grad():
+            for tensor in verifier.encoder.state_dict().values():
+                tensor.copy_(tensor.half())
+        assert any(not torch.equal(fp32[name], tensor)
+                   for name, tensor in verifier.encoder.state_dict().items())  # fmt: skip
+        drafter.check_encoder_matches(verifier)
+    finally:
+        verifier.encoder.load_state_dict(fp32)
     # a final norm, as a pre-norm encoder has
     verifier.encoder.layer_norm = torch.nn.LayerNorm(verifier.encoder.embed_tokens.embedding_dim)
     try:
