@@ -1,15 +1,16 @@
 #!/bin/bash
 # The whole model recipe as one resumable campaign: verifier to convergence, its final model,
-# greedy distillation of the training set, then the cached drafter and the Spec-Drafter on it.
+# greedy distillation of the training set, then the cached drafter, the Spec-Drafter and the
+# 1-layer cached drafter on it.
 #   [PATIENCE=3] scripts/campaign.sh DATA_BIN SPM_MODEL RAW_DIR WORK_DIR [fairseq-train flags]
 # DATA_BIN and SPM_MODEL come from scripts/prepare_data.py RAW_DIR (the data-bin and its spm.model);
 # RAW_DIR holds the raw {train,valid,test}.{de,en}: the final BLEU is scored against its
 # references, and its size sets the distillation's shards. Each stage writes under WORK_DIR
-# (verifier/, distilled/, drafter-cached/, drafter-spec/); training stages append to their
-# train.log. The extra flags go to every fairseq-train after the campaign's checkpoint flags
-# (--save-interval-updates 500 --keep-interval-updates 5 --max-epoch 30), which they can change,
-# and before the stage's own flags, which they cannot. finish_verifier.py averages the last 5
-# interval checkpoints: keep 5 or more.
+# (verifier/, distilled/, drafter-cached/, drafter-spec/, drafter-cached-1layer/); training
+# stages append to their train.log. The extra flags go to every fairseq-train after the
+# campaign's checkpoint flags (--save-interval-updates 500 --keep-interval-updates 5
+# --max-epoch 30), which they can change, and before the stage's own flags, which they cannot.
+# finish_verifier.py averages the last 5 interval checkpoints: keep 5 or more.
 # Run it again after any stop: finished stages are skipped and the one in progress resumes from
 # its checkpoint_last.pt (repaired first if the stop cut fairseq's copies short:
 # repair_checkpoints.py) or, for distillation, its last finished shard. Stopping the campaign
@@ -162,15 +163,21 @@ main() {
                     --eval-acceptance-sentences 1000
                     --beta 3 --tau 1 --best-checkpoint-metric accepted_lossless
                     --maximize-best-checkpoint-metric --required-batch-size-multiple 1)
-  local kind size
+  local kind size layers
   # a drafter has stopped learning when its acceptance gains 0.01 tokens per iteration or less
-  # in 3 epochs: a metric creeping by thousandths would otherwise run to --max-epoch
-  for kind in cached spec; do
-    size=$([ $kind = cached ] && echo cached_small || echo small)
+  # in 3 epochs: a metric creeping by thousandths would otherwise run to --max-epoch. The
+  # 1-layer cached drafter comes last: it only answers whether cheaper drafts pay for the ones
+  # it loses.
+  for kind in cached spec cached-1layer; do
+    size=cached_small layers=()
+    case $kind in
+      spec) size=small ;;
+      cached-1layer) layers=(--decoder-layers 1) ;;  # after the extra flags: they cannot change it
+    esac
     train "drafter-$kind" --metrics loss,acc,accepted_lossless,accepted_top_beta \
       --best-metric accepted_lossless --maximize --min-delta 0.01 -- \
       "$SCRIPTS/train_drafter.sh" "$WORK/distilled" "$WORK/drafter-$kind" "$size" \
-      "${epochs[@]}" "${acceptance[@]}"
+      "${epochs[@]}" "${acceptance[@]}" "${layers[@]}"
   done
   log "done: export the pair with scripts/export_model.py (see README)"
 }

@@ -150,19 +150,25 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     assert refusal in other_beam.stderr
 
 
+DRAFTER_STAGES = ("drafter-cached", "drafter-spec", "drafter-cached-1layer")
+
+
 def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
     campaign = pipeline["campaign"]
-    for stage in ("drafter-cached", "drafter-spec"):
+    for stage in DRAFTER_STAGES:
         log = (campaign / stage / "train.log").read_text()
         assert "initialised" in log and "from the verifier" in log  # started from checkpoint_final
         curve = (campaign / stage / "FINISHED").read_text()  # its learning curve
         last_row = r"^\| \d+ \| 250 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$"  # 4 metrics
         assert re.search(last_row, curve, re.M)
         assert re.search(r"best accepted_lossless [0-9.]+ at update \d+", curve)
+        layers = torch.load(campaign / stage / "checkpoint_last.pt", weights_only=False)
+        layers = layers["cfg"]["model"].decoder_layers
+        assert layers == (1 if stage == "drafter-cached-1layer" else 2)
     assert "distilling the training set in 1 shard(s)" in pipeline["campaign_log"]
     logs = {path: path.read_bytes() for path in campaign.glob("*/train.log")}
     again = run(*pipeline["campaign_command"]).stdout
-    for stage in ("verifier", "drafter-cached", "drafter-spec"):
+    for stage in ("verifier", *DRAFTER_STAGES):
         assert f"{campaign / stage}: finished before" in again
     assert "averaging" not in again and "distilling" not in again
     assert {path: path.read_bytes() for path in logs} == logs
