@@ -6,7 +6,8 @@
 # small: spec_drafter_small (6 encoder / 2 decoder layers, d=256), k=10, 3 cuts per sentence.
 # base:  spec_drafter_base (12 / 2, d=512), k=25, fp16, as SpecDec on WMT14.
 # cached_small/cached_base: the cached drafter (the verifier's encoder, frozen; a 2-layer decoder
-# with a causal prefix started from the verifier's first two), k=10 / 25, 4 cuts per sentence.
+# with a causal prefix started from the verifier's first two; --decoder-layers 1 for one), k=10 / 25,
+# 4 cuts per sentence.
 source "$(dirname "$0")/train_common.sh"
 case "$SIZE" in
   small) MODEL=(--arch spec_drafter_small --block-size 10 --cuts-per-sentence 3 --dropout 0.1

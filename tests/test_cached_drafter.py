@@ -30,23 +30,32 @@ def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
     drafter.check_encoder_matches(verifier)  # 300 updates left the copied encoder untouched
     losses = train_losses(toy["cached_drafter_log"])
     assert losses[-1] < 0.75 * losses[0], losses
+    weight = verifier.encoder.layers[0].fc1.weight
+    kept = weight[0, 0].item()
     with torch.no_grad():
-        verifier.encoder.layers[0].fc1.weight[0, 0] += 1e-3
+        weight[0, 0] += 0.01 * (1 + weight[0, 0].abs())  # beyond fp16's rounding at any size
     with pytest.raises(SpecNmtError, match="trained on another verifier's encoder"):
         drafter.check_encoder_matches(verifier)
     with torch.no_grad():
-        verifier.encoder.layers[0].fc1.weight[0, 0] -= 1e-3
-    # the verifier of a model directory (fp16 weights, export_model.py) is the same encoder
-    fp32 = {name: tensor.clone() for name, tensor in verifier.encoder.state_dict().items()}
-    try:
-        with torch.no_grad():
-            for tensor in verifier.encoder.state_dict().values():
-                tensor.copy_(tensor.half())
-        assert any(not torch.equal(fp32[name], tensor)
-                   for name, tensor in verifier.encoder.state_dict().items())  # fmt: skip
-        drafter.check_encoder_matches(verifier)
-    finally:
-        verifier.encoder.load_state_dict(fp32)
+        weight[0, 0] = kept
+    # a model directory's copy (fp16 weights, export_model.py) of either model is the same encoder
+    for exported in (verifier, drafter):
+        fp32 = {name: tensor.clone() for name, tensor in exported.encoder.state_dict().items()}
+        try:
+            with torch.no_grad():
+                for tensor in exported.encoder.state_dict().values():
+                    tensor.copy_(tensor.half())
+            assert any(not torch.equal(fp32[name], tensor)
+                       for name, tensor in exported.encoder.state_dict().items())  # fmt: skip
+            drafter.check_encoder_matches(verifier)
+            # but an fp16 copy with one weight changed beyond fp16's rounding is another encoder
+            with torch.no_grad():
+                changed = exported.encoder.layers[0].fc1.weight
+                changed[0, 0] += 0.01 * (1 + changed[0, 0].abs())
+            with pytest.raises(SpecNmtError, match="trained on another verifier's encoder"):
+                drafter.check_encoder_matches(verifier)
+        finally:
+            exported.encoder.load_state_dict(fp32)
     # a final norm, as a pre-norm encoder has
     verifier.encoder.layer_norm = torch.nn.LayerNorm(verifier.encoder.embed_tokens.embedding_dim)
     try:

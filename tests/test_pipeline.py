@@ -1,6 +1,7 @@
 """The whole recipe on the toy corpus, through the real scripts: raw text -> sentencepiece +
 fairseq-preprocess -> scripts/campaign.sh (verifier, its averaged final model, distillation, the
-cached drafter and the Spec-Drafter started from the verifier) -> compact model directory ->
+cached drafter, the Spec-Drafter and the 1-layer cached drafter started from the verifier) ->
+compact model directory ->
 `make translate` and scripts/benchmark.py."""
 
 import io
@@ -44,6 +45,10 @@ def pipeline(tmp_path_factory):
     return built_once(tmp_path_factory, "pipeline", build_pipeline)
 
 
+# the verifier's decoder depth, which the campaign's drafters (2, 2 and 1 layers) do not take
+VERIFIER_DECODER_LAYERS = 3
+
+
 def build_pipeline(root):
     raw = write_corpus(root / "raw", n_train=2000)
     py = sys.executable
@@ -51,7 +56,8 @@ def build_pipeline(root):
     data_bin, spm_model = root / "data" / "bin", root / "data" / "spm.model"
     campaign = ["scripts/campaign.sh", data_bin, spm_model, raw, root / "campaign",
                 *TINY_TRANSFORMER, *TINY_OVERRIDES, "--max-update", 250,
-                "--save-interval-updates", 50, "--validate-interval", 5]  # fmt: skip
+                "--save-interval-updates", 50, "--validate-interval", 5,
+                "--decoder-layers", VERIFIER_DECODER_LAYERS]  # fmt: skip
     campaign_log = run(*campaign, env_update={"PATIENCE": "1000"}).stdout
     verifier = root / "campaign" / "verifier" / "checkpoint_final.pt"
     # a model directory with each drafter kind
@@ -165,6 +171,8 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
         layers = torch.load(campaign / stage / "checkpoint_last.pt", weights_only=False)
         layers = layers["cfg"]["model"].decoder_layers
         assert layers == (1 if stage == "drafter-cached-1layer" else 2)
+    verifier = torch.load(pipeline["verifier"], weights_only=False)["cfg"]["model"]
+    assert verifier.decoder_layers == VERIFIER_DECODER_LAYERS
     assert "distilling the training set in 1 shard(s)" in pipeline["campaign_log"]
     logs = {path: path.read_bytes() for path in campaign.glob("*/train.log")}
     again = run(*pipeline["campaign_command"]).stdout

@@ -87,6 +87,22 @@ class CachedDrafterDecoder(TransformerDecoderBase):
         return logits.reshape(batch * blocks, block_size, -1), {}
 
 
+def same_weights(ours: Tensor, theirs: Tensor) -> bool:
+    """Whether two copies of an encoder tensor are the same weights: equal, or one of them is
+    the other rounded to fp16 (export_model.py stores fp16: a drafter trained on the fp32
+    checkpoint meets its verifier from a model directory, or the other way round)."""
+    theirs = theirs.to(ours.device)
+    if ours.shape != theirs.shape:
+        return False
+    if torch.equal(ours, theirs.to(ours.dtype)):
+        return True
+    if not (ours.is_floating_point() and theirs.is_floating_point()):
+        return False
+    ours16, theirs16 = ours.half(), theirs.half()
+    exported = torch.equal(ours16.to(ours.dtype), ours) or torch.equal(theirs16.to(theirs.dtype), theirs)
+    return exported and torch.equal(ours16, theirs16)
+
+
 @register_model("cached_drafter")
 class CachedDrafterModel(SpecDrafterModel):
     """Decoder-only NAR drafter on the verifier's frozen encoder. Train it with
@@ -136,12 +152,7 @@ class CachedDrafterModel(SpecDrafterModel):
             else:
                 if name.endswith("embed_tokens.weight"):
                     value = value[: other.size(0)]  # the drafter's row for [MASK] is extra
-                # equal, or equal once both are rounded to fp16 as export_model.py stores them
-                # (a drafter trained on the fp32 checkpoint, a verifier from a model directory)
-                if other.shape == value.shape and any(
-                    torch.equal(other.to(dtype), value.to(dtype))
-                    for dtype in (value.dtype, torch.float16)
-                ):
+                if same_weights(value, other):
                     continue
                 difference = f"{name} differs"
             raise SpecNmtError(
