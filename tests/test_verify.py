@@ -63,7 +63,8 @@ def test_third_best_needs_beta_three():
 
 def test_tie_with_beta_one_follows_the_verifiers_own_choice():
     table = logprobs({4: -0.7, 5: -0.7}, {3: -0.1})
-    verifier_pick = int(table[0, 0].topk(1).indices[0])
+    _, verifier_pick = run([1], table)  # rejected: the correction is the rule's own pick
+    assert verifier_pick in (4, 5)
     other = 9 - verifier_pick  # the other of tokens 4 and 5
     assert run([verifier_pick], table) == (1, 3)
     assert run([other], table) == (0, verifier_pick)
