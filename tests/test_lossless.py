@@ -195,7 +195,16 @@ def test_batch_composition_does_not_change_translations(in_process, toy):
     finally:
         task.cfg.drafter_path = None
     sample = batches[0]
-    together = [h[0]["tokens"].tolist() for h in generator.generate(models, sample)]
+    results = [h[0] for h in generator.generate(models, sample)]
+    together = [h["tokens"].tolist() for h in results]
+    # the totals count every sentence once, whenever it finished and left the batch
+    stats = generator.stats
+    assert stats.sentences == len(results) == 16
+    assert stats.iterations == sum(h["spec_iterations"] for h in results)
+    assert stats.accepted_tokens == sum(h["spec_accepted_tokens"] for h in results)
+    assert stats.output_tokens == sum(len(tokens) for tokens in together)
+    assert stats.accepted_tokens <= stats.drafted_tokens <= BLOCK_SIZE * stats.iterations
+    assert len({h["spec_iterations"] for h in results}) > 1  # rows finished at different times
     for row in range(sample["id"].numel()):
         net_input = sample["net_input"]
         one = {"net_input": {k: v[row : row + 1] for k, v in net_input.items()}}

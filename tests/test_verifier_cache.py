@@ -84,9 +84,10 @@ def block_logprobs(verifier, state, *block):
     return verifier.score_logits(state, *block).log_softmax(dim=-1)
 
 
-def commit_prefix(verifier, state, width, keep):
-    """Row b keeps the first keep[b] entries of the block just scored."""
-    entries = torch.arange(width).expand(len(keep), -1)
+def commit_prefix(verifier, state, width, keep, by_index=True):
+    """Row b keeps the first keep[b] entries of the block just scored: named by index, or
+    ``keep=None`` (a chain's accepted prefix)."""
+    entries = torch.arange(width).expand(len(keep), -1) if by_index else None
     verifier.commit(state, entries, torch.tensor(keep))
 
 
@@ -194,7 +195,7 @@ def test_cache_holds_exactly_the_committed_prefix_after_random_accepts_and_rejec
         block = torch.cat([torch.stack([fed[r][-1] for r in rows]).unsqueeze(1), drafts], 1)
         block_logprobs(verifier, state, block)
         keep = torch.randint(1, width + 1, (len(rows),), generator=generator).tolist()
-        commit_prefix(verifier, state, width, keep)
+        commit_prefix(verifier, state, width, keep, by_index=iteration % 2 == 0)
         for i, r in enumerate(rows):
             fed[r] = torch.cat([fed[r][:-1], block[i, : keep[i]], random_tokens(dictionary, 1)])
         if iteration == 3:  # the middle row finishes

@@ -78,9 +78,10 @@ class Drafter(Protocol):
         """A draft tree per row after its verified prefix ``tokens[b, 1 : lengths[b] + 1]``
         (``tokens[b, 0]`` is BOS; ``tokens[b, lengths[b]]`` the pending token)."""
 
-    def commit(self, state, keep: Tensor, n_keep: Tensor) -> None:
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Row b's verified prefix grew by the block entries ``keep[b, :n_keep[b]]`` (the
-        pending token and the accepted path, in the verifier's scoring order)."""
+        pending token and the accepted path, in the verifier's scoring order); ``keep=None``:
+        by the first ``n_keep[b]`` entries (a chain)."""
 
     def select_rows(self, state, rows: Tensor) -> None:
         """Keep only ``rows`` of the batch."""
@@ -221,7 +222,7 @@ class NarDrafter:
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
         return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
 
-    def commit(self, encoder_out, keep: Tensor, n_keep: Tensor) -> None:
+    def commit(self, encoder_out, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Nothing to keep: the next pass reads the whole verified prefix again."""
 
     def select_rows(self, encoder_out: Dict, rows: Tensor) -> None:
@@ -239,6 +240,7 @@ class CachedDrafter(NarDrafter):
         self.scorer = TransformerVerifier(
             model, role="the cached drafter (--drafter-path)", drafter=True
         )
+        self._visibility: Dict[Tuple[int, int, torch.device], Tensor] = {}
 
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict):
         return self.scorer.start(net_input, encoder_out=verifier_encoder_out)
@@ -248,28 +250,44 @@ class CachedDrafter(NarDrafter):
         ``tokens[b, :lengths[b] + 1]``; the prefix entries not yet in the cache join it."""
         fed = state.fed_lengths
         n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
-        width = int(n_new.max())
+        if n_new.size(0) == 1:
+            fewest = width = int(n_new)
+        else:
+            fewest, width = (int(end) for end in torch.aminmax(n_new))
         order = torch.arange(width, device=tokens.device)
-        new = order < n_new.unsqueeze(1)
         index = (fed.unsqueeze(1) + order).clamp(max=tokens.size(1) - 1)
-        block = torch.cat([torch.where(new, tokens.gather(1, index), self.pad),
-                           tokens.new_full((tokens.size(0), k), self.mask)], dim=1)  # fmt: skip
-        masks = n_new.unsqueeze(1) + torch.arange(k, device=tokens.device)
-        depths = torch.cat([order.expand_as(new), masks], dim=1)
-        # new prefix entries: causal among the real ones (so never a mask); masks: every real
-        # new entry and each other; padding entries: only themselves (no empty attention row)
-        entries = width + k
-        column = torch.arange(entries, device=tokens.device)
-        real = torch.cat([new, new.new_ones(tokens.size(0), k)], dim=1)  # [B, entries]
-        causal = column.unsqueeze(0) <= column.unsqueeze(1)
-        is_mask = column >= width
-        visible = (causal | is_mask.unsqueeze(1)) & real.unsqueeze(1) & real.unsqueeze(2)
-        visible |= torch.eye(entries, dtype=torch.bool, device=tokens.device)
+        new_tokens = tokens.gather(1, index)
+        if fewest == width:  # every row feeds as many entries (always at batch 1)
+            depths = torch.arange(width + k, device=tokens.device)
+            visible = self._visibility_pattern(width, k, tokens.device)
+        else:
+            new = order < n_new.unsqueeze(1)
+            new_tokens = torch.where(new, new_tokens, self.pad)
+            masks = n_new.unsqueeze(1) + torch.arange(k, device=tokens.device)
+            depths = torch.cat([order.expand_as(new), masks], dim=1)
+            # new prefix entries: causal among the real ones (so never a mask); masks: every
+            # real new entry and each other; padding entries: only themselves (no empty
+            # attention row)
+            real = torch.cat([new, new.new_ones(tokens.size(0), k)], dim=1)  # [B, entries]
+            visible = self._visibility_pattern(width, k, tokens.device)
+            visible = visible & real.unsqueeze(1) & real.unsqueeze(2)
+            visible |= torch.eye(width + k, dtype=torch.bool, device=tokens.device)
+        block = torch.cat([new_tokens, tokens.new_full((tokens.size(0), k), self.mask)], dim=1)
         logits = self.scorer.score_logits(state, block, depths, visible, outputs=k)
-        self.scorer.commit(state, order.expand_as(new), n_new)
+        self.scorer.commit(state, None, n_new)
         return self._over_verifier_vocabulary(logits)
 
-    def commit(self, state, keep: Tensor, n_keep: Tensor) -> None:
+    def _visibility_pattern(self, width: int, k: int, device: torch.device) -> Tensor:
+        """[1, width + k, width + k]: ``width`` new prefix entries, causal, then k masks that
+        see every entry (built once per shape)."""
+        key = (width, k, device)
+        if key not in self._visibility:
+            column = torch.arange(width + k, device=device)
+            causal = column.unsqueeze(0) <= column.unsqueeze(1)
+            self._visibility[key] = (causal | (column >= width).unsqueeze(1)).unsqueeze(0)
+        return self._visibility[key]
+
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Nothing to do: the accepted tokens join the cache as prefix entries next time."""
 
     def select_rows(self, state, rows: Tensor) -> None:
@@ -306,7 +324,7 @@ class ArDrafter:
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
         return grow_tree(plan, pending, expand, self.eos, generator)
 
-    def commit(self, state, keep: Tensor, n_keep: Tensor) -> None:
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
         self.scorer.commit(state, keep, n_keep)
 
     def select_rows(self, state, rows: Tensor) -> None:

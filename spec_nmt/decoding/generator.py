@@ -132,9 +132,6 @@ class SpeculativeGenerator:
         tokens = src_tokens.new_full((bsz, width + 2 + slack), self.pad)
         tokens[:, 0] = self.eos
         token_scores = torch.zeros(bsz, width + 1 + slack, device=src_tokens.device)
-        lengths = src_tokens.new_zeros(bsz)  # verified output tokens per row
-        iterations = src_tokens.new_zeros(bsz)
-        accepted = src_tokens.new_zeros(bsz)
         finalized: List[List[Dict]] = [[] for _ in range(bsz)]
 
         encoder_out = self.verifier.encode(net_input)
@@ -145,40 +142,55 @@ class SpeculativeGenerator:
         # the decoder; a typed "</s>" is text and gets translated, as by SequenceGenerator.
         has_source = src_lengths > 1
         tokens[~has_source, 1] = self.eos
-        lengths[~has_source] = 1
         for row in (~has_source).nonzero().squeeze(1).tolist():
             finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
-        rows = has_source.nonzero().squeeze(1)  # original batch index of each state row
+            self.stats.output_tokens += 1
+        # From here on every per-sentence tensor has a row per state row; ``rows`` holds each
+        # state row's sentence in the batch.
+        rows = has_source.nonzero().squeeze(1)
         if rows.numel() < bsz:
             self._select(verifier_state, drafter_state, rows)
+            tokens, token_scores, max_lens = tokens[rows], token_scores[rows], max_lens[rows]
+        sentences = rows.tolist()
+        lengths = tokens.new_zeros(len(sentences))  # verified output tokens per row
+        iterations = torch.zeros_like(lengths)
+        accepted = torch.zeros_like(lengths)
+        drafted = torch.zeros_like(lengths)
         # Finished rows stay in the states (their results are ignored) until a quarter of them
         # has finished: copying every cache out for each finished sentence costs more.
-        live = torch.ones_like(rows, dtype=torch.bool)
-        block_sizes = torch.full_like(rows, self.plan.depth)  # k of each state row (adaptive)
+        live = torch.ones_like(lengths, dtype=torch.bool)
+        finished = 0
+        block_sizes = torch.full_like(lengths, self.plan.depth)  # k of each state row (adaptive)
+        # an upper bound of the longest live prefix: the position limit is checked on the
+        # device only when it could be near
+        longest = 0
+        position_limit = self.drafter.max_positions() - 1
 
-        while rows.numel() > 0:
-            row_tokens, row_lengths = tokens[rows], lengths[rows]
+        while sentences:
+            depth = self.plan.depth
+            if self.settings.adaptive_block:
+                depth = int(block_sizes[live].max())
             # The drafter cannot look past its own position limit: shrink the drafts near it.
-            room = self.drafter.max_positions() - 1 - int(row_lengths[live].max())
-            depth = int(block_sizes[live].max()) if self.settings.adaptive_block else self.plan.depth
-            depth = min(depth, max(room, 0))
+            if longest + depth > position_limit:
+                longest = int(lengths[live].max())
+                depth = min(depth, max(position_limit - longest, 0))
             plan = self.plan if depth == self.plan.depth else self.plan.shrink(depth)
             # 1. draft
-            tree = self.drafter.propose(drafter_state, row_tokens, row_lengths, plan, rng)
+            tree = self.drafter.propose(drafter_state, tokens, lengths, plan, rng)
             # 2. score [pending token, tree nodes] in one verifier pass
-            pending = row_tokens.gather(1, row_lengths.unsqueeze(1))
+            pending = tokens.gather(1, lengths.unsqueeze(1))
             depths = block_depths(tree)
             visible = None if plan.is_chain else block_visibility(tree.parents)
             block = torch.cat([pending, tree.tokens], dim=1)
             logits = self.verifier.score_logits(verifier_state, block, depths, visible)
-            normalizer = self._constrain(logits, row_lengths, depths, max_lens[rows])
+            normalizer = self._constrain(logits, lengths, depths, max_lens)
             # 3. accept a path, then the correction/bonus token
             path, n_accepted, next_tokens = self._accept(tree, logits, rng)
             n_accepted *= live
             path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
             if trace is not None:
-                trace.extend(self._trace_records(rows, live, row_tokens, row_lengths, tree,
-                                                 logits, normalizer, path, n_accepted,
+                trace.extend(self._trace_records(rows, live, tokens, lengths, tree, logits,
+                                                 normalizer, path, n_accepted,
                                                  next_tokens))  # fmt: skip
             emitted, n_emitted, ended = _emitted_tokens(
                 path_tokens, n_accepted, next_tokens, self.eos
@@ -186,42 +198,57 @@ class SpeculativeGenerator:
             n_emitted *= live
             # 4. commit: append, keep [pending, accepted path] in both caches
             kept_entries = torch.cat([torch.zeros_like(pending), path.clamp(min=0) + 1], dim=1)
-            slots = row_lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=rows.device)
-            tokens[rows] = row_tokens.scatter(1, slots, emitted)
-            state_rows = torch.arange(rows.numel(), device=rows.device).unsqueeze(1)
+            slots = lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=rows.device)
+            tokens.scatter_(1, slots, emitted)
+            state_rows = torch.arange(len(sentences), device=rows.device).unsqueeze(1)
             emitted_logits = logits[state_rows, kept_entries, emitted]
             emitted_scores = emitted_logits - normalizer.gather(1, kept_entries)
-            token_scores[rows] = token_scores[rows].scatter(1, slots - 1, emitted_scores)
-            lengths[rows] += n_emitted
-            iterations[rows] += live
-            accepted[rows] += n_accepted
+            token_scores.scatter_(1, slots - 1, emitted_scores)
+            lengths += n_emitted
+            longest += depth + 1
+            iterations += live
+            accepted += n_accepted
+            drafted += (tree.valid & live.unsqueeze(1)).sum(dim=1)
             if self.settings.adaptive_block:
                 block_sizes = adapted_block_sizes(block_sizes, n_accepted, plan.depth,
                                                   self.plan.depth)  # fmt: skip
             n_kept = (n_accepted + 1) * live
-            self.verifier.commit(verifier_state, kept_entries, n_kept)
-            self.drafter.commit(drafter_state, kept_entries, n_kept)
+            kept = None if plan.is_chain else kept_entries  # a chain keeps its first entries
+            self.verifier.commit(verifier_state, kept, n_kept)
+            self.drafter.commit(drafter_state, kept, n_kept)
             self.stats.batched_verifier_calls += 1
-            self.stats.drafted_tokens += int(tree.valid[live].sum())
             ended &= live
-            for row in rows[ended].tolist():
-                hypothesis = self._hypothesis(tokens[row], token_scores[row], lengths[row])
-                hypothesis["spec_iterations"] = int(iterations[row])
-                hypothesis["spec_accepted_tokens"] = int(accepted[row])
-                finalized[row].append(hypothesis)
+            for i in ended.nonzero().squeeze(1).tolist():
+                hypothesis = self._hypothesis(tokens[i], token_scores[i], lengths[i])
+                hypothesis["spec_iterations"] = int(iterations[i])
+                hypothesis["spec_accepted_tokens"] = int(accepted[i])
+                finalized[sentences[i]].append(hypothesis)
+                finished += 1
             live &= ~ended
-            finished = int(live.numel() - live.sum())
-            if finished and 4 * finished >= live.numel():  # all finished is a quarter too
+            if finished and 4 * finished >= len(sentences):  # all finished is a quarter too
+                self._count(lengths, iterations, accepted, drafted, ~live)
                 keep = live.nonzero().squeeze(1)
                 rows, live, block_sizes = rows[keep], live[keep], block_sizes[keep]
-                if rows.numel():
+                tokens, token_scores, lengths = tokens[keep], token_scores[keep], lengths[keep]
+                iterations, accepted, drafted = iterations[keep], accepted[keep], drafted[keep]
+                max_lens = max_lens[keep]
+                sentences = rows.tolist()
+                finished = 0
+                if sentences:
                     self._select(verifier_state, drafter_state, keep)
 
         self.stats.sentences += bsz
-        self.stats.iterations += int(iterations.sum())
-        self.stats.accepted_tokens += int(accepted.sum())
-        self.stats.output_tokens += int(lengths.sum())
         return finalized
+
+    def _count(self, lengths: Tensor, iterations: Tensor, accepted: Tensor, drafted: Tensor,
+               rows: Tensor) -> None:  # fmt: skip
+        """Add the finished ``rows`` (a mask) to the statistics."""
+        totals = torch.stack([t[rows].sum() for t in (lengths, iterations, accepted, drafted)])
+        output_tokens, iteration_count, accepted_tokens, drafted_tokens = totals.tolist()
+        self.stats.output_tokens += output_tokens
+        self.stats.iterations += iteration_count
+        self.stats.accepted_tokens += accepted_tokens
+        self.stats.drafted_tokens += drafted_tokens
 
     def _accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator):
         """(path [B, depth] of accepted node indices padded with -1, n_accepted [B],

@@ -11,6 +11,7 @@ recursive rejection sampling (Jeon et al., 2024) tries them in. Letters as in ve
 drafter, q the verifier.
 """
 
+import functools
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -29,20 +30,29 @@ class DraftTree(NamedTuple):
     draft_probs: Optional[Tensor] = None
 
 
-def chain(tokens: Tensor, draft_probs: Optional[Tensor] = None) -> DraftTree:
-    """The tree of a single drafted block [B, k]: node i's parent is node i-1."""
+def chain(tokens: Tensor, draft_probs: Optional[Tensor] = None,
+          valid: Optional[Tensor] = None) -> DraftTree:  # fmt: skip
+    """The tree of a single drafted block [B, k]: node i's parent is node i-1; every node holds
+    a draft unless ``valid`` [B, k] says otherwise."""
     batch, k = tokens.shape
-    parents = torch.arange(-1, k - 1, device=tokens.device).expand(batch, k)
-    depths = torch.arange(1, k + 1, device=tokens.device)
-    valid = torch.ones_like(tokens, dtype=torch.bool)
-    return DraftTree(tokens, parents, depths, valid, draft_probs)
+    parents, depths = _chain_shape(k, tokens.device)
+    if valid is None:
+        valid = torch.ones_like(tokens, dtype=torch.bool)
+    return DraftTree(tokens, parents.expand(batch, k), depths, valid, draft_probs)
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_shape(k: int, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """A chain's parents [1, k] and depths [k], built once per length (every iteration drafts
+    one)."""
+    depths = torch.arange(1, k + 1, device=device)
+    return (depths - 2).unsqueeze(0), depths
 
 
 def greedy_chain(tokens: Tensor, eos: int) -> DraftTree:
     """The chain of greedy drafts [B, k]; drafts after an EOS are empty slots."""
-    tree = chain(tokens)
-    is_eos = tokens.eq(eos).long()
-    return tree._replace(valid=(is_eos.cumsum(dim=1) - is_eos).eq(0))
+    is_eos = tokens.eq(eos)
+    return chain(tokens, valid=is_eos.cumsum(dim=1) <= is_eos)  # no EOS before the node
 
 
 def block_visibility(parents: Tensor) -> Tensor:

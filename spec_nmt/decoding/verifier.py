@@ -106,7 +106,7 @@ class TransformerVerifier:
         state: VerifierState,
         block_tokens: Tensor,  # [B, W]
         depths: Optional[Tensor] = None,  # [W] or [B, W]; default 0 .. W-1
-        visible: Optional[Tensor] = None,  # [B, W, U+W] bool over uncommitted entries
+        visible: Optional[Tensor] = None,  # [B or 1, W, U+W] bool over uncommitted entries
         outputs: Optional[int] = None,  # logits for the last ``outputs`` entries only
     ) -> Tensor:
         """Float logits [B, W, V] (temperature applied) of the next token after each of the W
@@ -126,28 +126,36 @@ class TransformerVerifier:
         entries = state.uncommitted + width  # uncommitted entries once this block is written
         if visible is None:
             visible = torch.ones(width, entries, dtype=torch.bool, device=device)
-            visible = visible.tril(state.uncommitted).expand(batch, -1, -1)
+            visible = visible.tril(state.uncommitted).unsqueeze(0)
 
-        x = block_forward.embed(dec, block_tokens, state.fed_lengths.unsqueeze(1) + depths,
-                                self._positions(state, width))  # fmt: skip
-
-        # where the block goes, and which cache slots each block entry sees
+        # where the block goes (one host sync): row b's entries at fed_lengths[b] + uncommitted
         first_slot = state.fed_lengths + state.uncommitted  # [B]
-        span = int(first_slot.max()) + width
+        if batch == 1:
+            lowest = highest = int(first_slot)
+        else:
+            lowest, highest = (int(end) for end in torch.aminmax(first_slot))
+        span = highest + width
+        x = block_forward.embed(dec, block_tokens, state.fed_lengths.unsqueeze(1) + depths,
+                                self._positions(span))  # fmt: skip
         self._reserve(state, span, x)
-        uniform = batch == 1 or bool((first_slot == first_slot[0]).all())
-        slots = first_slot.unsqueeze(1) + torch.arange(width, device=device)  # [B, W]
-        relative = torch.arange(span, device=device) - state.fed_lengths.unsqueeze(1)  # [B, span]
-        in_block = (relative >= 0) & (relative < entries)
-        entry = relative.clamp(0, entries - 1).unsqueeze(1).expand(-1, width, -1)
-        block_seen = visible.gather(2, entry)
-        seen = torch.where(in_block.unsqueeze(1), block_seen, (relative < 0).unsqueeze(1))
-        bias = block_forward.additive_mask(seen, x.dtype)  # [B, 1, W, span]
+        uniform = lowest == highest  # always at batch 1
+        if uniform:
+            # every row sees its whole committed prefix: only the uncommitted columns vary
+            committed = lowest - state.uncommitted
+            bias = x.new_zeros(visible.size(0), 1, width, span)
+            bias[:, 0, :, committed:].masked_fill_(~visible, float("-inf"))
+        else:
+            slots = first_slot.unsqueeze(1) + torch.arange(width, device=device)  # [B, W]
+            relative = torch.arange(span, device=device) - state.fed_lengths.unsqueeze(1)
+            in_block = (relative >= 0) & (relative < entries)  # [B, span]
+            entry = relative.clamp(0, entries - 1).unsqueeze(1).expand(-1, width, -1)
+            block_seen = visible.expand(batch, -1, -1).gather(2, entry)
+            seen = torch.where(in_block.unsqueeze(1), block_seen, (relative < 0).unsqueeze(1))
+            bias = block_forward.additive_mask(seen, x.dtype)  # [B, 1, W, span]
 
         def write(cache: Tensor, new: Tensor) -> None:  # new [B, heads, W, head_dim]
             if uniform:
-                start = int(first_slot[0])
-                cache[:, :, start : start + width] = new
+                cache[:, :, lowest : lowest + width] = new
             else:
                 index = slots[:, None, :, None].expand(-1, new.size(1), -1, new.size(3))
                 cache.scatter_(2, index, new)
@@ -174,25 +182,26 @@ class TransformerVerifier:
         state.uncommitted = entries
         return logits
 
-    def commit(self, state: VerifierState, keep: Tensor, n_keep: Tensor) -> None:
+    def commit(self, state: VerifierState, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Row b keeps its uncommitted entries ``keep[b, :n_keep[b]]`` (indices in scoring
         order, e.g. the root and the accepted path of a draft tree); all others are dropped.
-        Kept entries already in place (a chain's accepted prefix) are not touched."""
-        width = keep.size(1)
-        order = torch.arange(width, device=keep.device)
-        counted = order < n_keep.unsqueeze(1)
-        if width and not bool((keep.eq(order) | ~counted).all()):
-            # move the kept entries behind the committed prefix; rows that keep fewer entries
-            # rewrite their last kept one
-            last = (n_keep - 1).clamp(min=0).unsqueeze(1)
-            position = torch.where(counted, order, last)
-            source = state.fed_lengths.unsqueeze(1) + keep.gather(1, position)
-            target = state.fed_lengths.unsqueeze(1) + position
-            for cache in state.keys + state.values:
-                heads, head_dim = cache.size(1), cache.size(3)
-                src = source[:, None, :, None].expand(-1, heads, -1, head_dim)
-                dst = target[:, None, :, None].expand(-1, heads, -1, head_dim)
-                cache.scatter_(2, dst, cache.gather(2, src))
+        ``keep=None`` keeps the first ``n_keep[b]`` (a chain's accepted prefix). Kept entries
+        already in place are not touched."""
+        if keep is not None and keep.size(1):
+            order = torch.arange(keep.size(1), device=keep.device)
+            counted = order < n_keep.unsqueeze(1)
+            if not bool((keep.eq(order) | ~counted).all()):
+                # move the kept entries behind the committed prefix; rows that keep fewer
+                # entries rewrite their last kept one
+                last = (n_keep - 1).clamp(min=0).unsqueeze(1)
+                position = torch.where(counted, order, last)
+                source = state.fed_lengths.unsqueeze(1) + keep.gather(1, position)
+                target = state.fed_lengths.unsqueeze(1) + position
+                for cache in state.keys + state.values:
+                    heads, head_dim = cache.size(1), cache.size(3)
+                    src = source[:, None, :, None].expand(-1, heads, -1, head_dim)
+                    dst = target[:, None, :, None].expand(-1, heads, -1, head_dim)
+                    cache.scatter_(2, dst, cache.gather(2, src))
         state.fed_lengths = state.fed_lengths + n_keep
         state.uncommitted = 0
 
@@ -222,13 +231,13 @@ class TransformerVerifier:
         state.keys = [keys for keys, _ in grown]
         state.values = [values for _, values in grown]
 
-    def _positions(self, state: VerifierState, width: int) -> Optional[Tensor]:
-        """The decoder's position table, built once and long enough for this block."""
+    def _positions(self, length: int) -> Optional[Tensor]:
+        """The decoder's position table, built once and at least ``length`` long (up to the
+        decoder's limit)."""
         if self.decoder.embed_positions is None:
             return None
-        needed = int(state.fed_lengths.max()) + state.uncommitted + width
         limit = self.decoder.max_positions()
-        if self._position_table is None or self._position_table.size(0) < min(needed, limit):
-            length = min(max(needed, 256), limit)
+        if self._position_table is None or self._position_table.size(0) < min(length, limit):
+            length = min(max(length, 256), limit)
             self._position_table = block_forward.position_table(self.decoder, length)
         return self._position_table
