@@ -185,15 +185,20 @@ def test_oracle_drafter_gets_whole_blocks_accepted(in_process):
             assert hypos[0]["spec_iterations"] == -(-len(expected) // (BLOCK_SIZE + 1))
 
 
+def task_generator(task, models, drafter):
+    """The generator the task builds for fairseq-generate, with ``drafter``."""
+    task.cfg.drafter_path = str(drafter)
+    try:
+        return task.build_generator(models, SpecTranslationConfig())
+    finally:
+        task.cfg.drafter_path = None
+
+
 @torch.no_grad()
 def test_batch_composition_does_not_change_translations(in_process, toy):
     """Mixed batches against one sentence at a time, through the task-built generator."""
     task, models, batches = in_process
-    task.cfg.drafter_path = str(toy["drafter"])
-    try:
-        generator = task.build_generator(models, SpecTranslationConfig())
-    finally:
-        task.cfg.drafter_path = None
+    generator = task_generator(task, models, toy["drafter"])
     sample = batches[0]
     results = [h[0] for h in generator.generate(models, sample)]
     together = [h["tokens"].tolist() for h in results]
@@ -215,3 +220,20 @@ def test_batch_composition_does_not_change_translations(in_process, toy):
         one["net_input"]["prev_output_tokens"] = net_input["prev_output_tokens"][row : row + 1]
         alone = generator.generate(models, one)[0][0]["tokens"].tolist()
         assert alone == together[row], f"sentence {int(sample['id'][row])}"
+
+
+@torch.no_grad()
+def test_an_empty_source_counts_as_its_eos_in_the_statistics(in_process, toy):
+    task, models, batches = in_process
+    generator = task_generator(task, models, toy["drafter"])
+    net_input = dict(batches[0]["net_input"])
+    src = net_input["src_tokens"].clone()
+    src[1] = task.source_dictionary.pad()
+    src[1, -1] = task.source_dictionary.eos()  # left-padded, as fairseq batches sources
+    net_input["src_tokens"] = src
+    net_input["src_lengths"] = net_input["src_lengths"].clone().index_fill_(0, torch.tensor([1]), 1)
+    results = [h[0] for h in generator.generate(models, {"net_input": net_input})]
+    assert results[1]["tokens"].tolist() == [task.target_dictionary.eos()]
+    stats = generator.stats
+    assert stats.output_tokens == sum(len(h["tokens"]) for h in results)
+    assert stats.iterations == sum(h.get("spec_iterations", 0) for h in results) > 0

@@ -258,14 +258,16 @@ def test_tree_scores_equal_each_path_decoded_alone(learned_positions):
             torch.testing.assert_close(scores[b, node + 1], reference, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("committed", [[3, 1], [3, 3]], ids=["unequal prefixes", "equal prefixes"])
 @torch.no_grad()
-def test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation():
+def test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation(committed):
     """How the autoregressive drafter uses the scorer: root, then one level per call, each
-    seeing its ancestors among the uncommitted entries; then keep one path."""
+    seeing its ancestors among the uncommitted entries; then keep one path. Rows with equal
+    committed prefixes take the scorer's shared-slot path."""
     model, dictionary = tiny_transformer(seed=3)
     verifier = TransformerVerifier(model)
     net_input = source_batch(dictionary, 2)
-    state, prefixes = prefixed_state(verifier, dictionary, net_input, [3, 1])
+    state, prefixes = prefixed_state(verifier, dictionary, net_input, committed)
     parents = torch.tensor([TREE_PARENTS, TREE_PARENTS])
     visible = block_visibility(parents)
     tokens = random_tokens(dictionary, 2, 7)

@@ -24,7 +24,7 @@ from spec_nmt.decoding.tree import (
     gumbel_top_k,
     stochastic_beam_step,
 )
-from spec_nmt.decoding.verifier import TransformerVerifier
+from spec_nmt.decoding.verifier import TransformerVerifier, value_range
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ class Drafter(Protocol):
     def propose(self, state, tokens: Tensor, lengths: Tensor, plan: DraftPlan,
                 generator: Optional[torch.Generator]) -> DraftTree:  # fmt: skip
         """A draft tree per row after its verified prefix ``tokens[b, 1 : lengths[b] + 1]``
-        (``tokens[b, 0]`` is BOS; ``tokens[b, lengths[b]]`` the pending token)."""
+        (``tokens[b, 0]`` is BOS; ``tokens[b, lengths[b]]`` the pending token). The loop
+        changes ``tokens`` and ``lengths`` in place afterwards: keep copies, not them."""
 
     def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Row b's verified prefix grew by the block entries ``keep[b, :n_keep[b]]`` (the
@@ -250,10 +251,7 @@ class CachedDrafter(NarDrafter):
         ``tokens[b, :lengths[b] + 1]``; the prefix entries not yet in the cache join it."""
         fed = state.fed_lengths
         n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
-        if n_new.size(0) == 1:
-            fewest = width = int(n_new)
-        else:
-            fewest, width = (int(end) for end in torch.aminmax(n_new))
+        fewest, width = value_range(n_new)
         order = torch.arange(width, device=tokens.device)
         index = (fed.unsqueeze(1) + order).clamp(max=tokens.size(1) - 1)
         new_tokens = tokens.gather(1, index)

@@ -145,13 +145,14 @@ class SpeculativeGenerator:
         for row in (~has_source).nonzero().squeeze(1).tolist():
             finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
             self.stats.output_tokens += 1
-        # From here on every per-sentence tensor has a row per state row; ``rows`` holds each
-        # state row's sentence in the batch.
+        # From here on every per-sentence tensor has a row per state row; ``sentences`` holds
+        # each state row's sentence in the batch.
         rows = has_source.nonzero().squeeze(1)
         if rows.numel() < bsz:
             self._select(verifier_state, drafter_state, rows)
             tokens, token_scores, max_lens = tokens[rows], token_scores[rows], max_lens[rows]
         sentences = rows.tolist()
+        device = tokens.device
         lengths = tokens.new_zeros(len(sentences))  # verified output tokens per row
         iterations = torch.zeros_like(lengths)
         accepted = torch.zeros_like(lengths)
@@ -189,7 +190,7 @@ class SpeculativeGenerator:
             n_accepted *= live
             path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
             if trace is not None:
-                trace.extend(self._trace_records(rows, live, tokens, lengths, tree, logits,
+                trace.extend(self._trace_records(sentences, live, tokens, lengths, tree, logits,
                                                  normalizer, path, n_accepted,
                                                  next_tokens))  # fmt: skip
             emitted, n_emitted, ended = _emitted_tokens(
@@ -198,14 +199,14 @@ class SpeculativeGenerator:
             n_emitted *= live
             # 4. commit: append, keep [pending, accepted path] in both caches
             kept_entries = torch.cat([torch.zeros_like(pending), path.clamp(min=0) + 1], dim=1)
-            slots = lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=rows.device)
+            slots = lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=device)
             tokens.scatter_(1, slots, emitted)
-            state_rows = torch.arange(len(sentences), device=rows.device).unsqueeze(1)
+            state_rows = torch.arange(len(sentences), device=device).unsqueeze(1)
             emitted_logits = logits[state_rows, kept_entries, emitted]
             emitted_scores = emitted_logits - normalizer.gather(1, kept_entries)
             token_scores.scatter_(1, slots - 1, emitted_scores)
             lengths += n_emitted
-            longest += depth + 1
+            longest += emitted.size(1)  # no row emits more
             iterations += live
             accepted += n_accepted
             drafted += (tree.valid & live.unsqueeze(1)).sum(dim=1)
@@ -228,11 +229,11 @@ class SpeculativeGenerator:
             if finished and 4 * finished >= len(sentences):  # all finished is a quarter too
                 self._count(lengths, iterations, accepted, drafted, ~live)
                 keep = live.nonzero().squeeze(1)
-                rows, live, block_sizes = rows[keep], live[keep], block_sizes[keep]
+                live, block_sizes = live[keep], block_sizes[keep]
                 tokens, token_scores, lengths = tokens[keep], token_scores[keep], lengths[keep]
                 iterations, accepted, drafted = iterations[keep], accepted[keep], drafted[keep]
                 max_lens = max_lens[keep]
-                sentences = rows.tolist()
+                sentences = [sentences[i] for i in keep.tolist()]
                 finished = 0
                 if sentences:
                     self._select(verifier_state, drafter_state, keep)
@@ -241,9 +242,10 @@ class SpeculativeGenerator:
         return finalized
 
     def _count(self, lengths: Tensor, iterations: Tensor, accepted: Tensor, drafted: Tensor,
-               rows: Tensor) -> None:  # fmt: skip
-        """Add the finished ``rows`` (a mask) to the statistics."""
-        totals = torch.stack([t[rows].sum() for t in (lengths, iterations, accepted, drafted)])
+               finished_rows: Tensor) -> None:  # fmt: skip
+        """Add the rows that ``finished_rows`` (a mask) marks to the statistics."""
+        per_row = (lengths, iterations, accepted, drafted)
+        totals = torch.stack([counts[finished_rows].sum() for counts in per_row])
         output_tokens, iteration_count, accepted_tokens, drafted_tokens = totals.tolist()
         self.stats.output_tokens += output_tokens
         self.stats.iterations += iteration_count
@@ -255,16 +257,17 @@ class SpeculativeGenerator:
         next token [B]) under the configured rule, from the block's constrained logits."""
         return RULES[self.verify].accept(tree, logits, self.settings, self.eos, rng)
 
-    def _trace_records(self, rows, live, tokens, lengths, tree, logits, normalizer, path,
+    def _trace_records(self, sentences, live, tokens, lengths, tree, logits, normalizer, path,
                        n_accepted, next_tokens):  # fmt: skip
-        """What one iteration did for each unfinished row, as plain Python data: the verified
+        """What one iteration did for each unfinished state row (``sentences``: each one's
+        sentence in the batch), as plain Python data: the verified
         prefix, the draft tree, the verifier's best candidates at every block entry (its beta
         best, at least 3) with log-probs, the accepted path and the correction/bonus token."""
         n_best = min(max(self.settings.beta, 3), logits.size(2))
         best_logits, best_tokens = logits.topk(n_best, dim=2)
         best_logprobs = best_logits - normalizer.unsqueeze(2)
         records = []
-        for i, row in enumerate(rows.tolist()):
+        for i, sentence in enumerate(sentences):
             if not live[i]:
                 continue
             n = int(n_accepted[i])
@@ -272,7 +275,7 @@ class SpeculativeGenerator:
             # a bonus token follows an entry without children to try; else a correction
             leaf = _is_leaf(tree, i, accepted[-1] if n else -1)
             records.append(IterationRecord(
-                sentence=row,
+                sentence=sentence,
                 prefix=tokens[i, 1 : int(lengths[i]) + 1].tolist(),
                 draft_tokens=tree.tokens[i].tolist(),
                 draft_parents=tree.parents[i].tolist(),

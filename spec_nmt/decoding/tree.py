@@ -21,6 +21,8 @@ from spec_nmt.decoding.verify import residual, sample_from
 
 
 class DraftTree(NamedTuple):
+    """Read-only: a chain's parents and depths are shared by every chain of its length."""
+
     tokens: Tensor  # [B, N] node tokens
     parents: Tensor  # [B, N] parent node index, -1 for the root
     depths: Tensor  # [N] depth of each node (1 = child of the root), non-decreasing

@@ -19,7 +19,7 @@ entries stay where they are and the next block overwrites them. Only a tree's ke
 entries are not contiguous, is moved into place (a few slots per row).
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from fairseq.models.transformer import TransformerDecoderBase
@@ -32,6 +32,15 @@ from spec_nmt.models.spec_drafter import SpecDrafterModel
 # initial cache slots per row; zero-filled so that unwritten slots hold no NaN for masked
 # attention weights to multiply
 INITIAL_CACHE_SLOTS = 64
+
+
+def value_range(values: Tensor) -> Tuple[int, int]:
+    """The smallest and largest of a 1-d integer tensor, read into Python at once."""
+    if values.numel() == 1:
+        value = int(values)
+        return value, value
+    lowest, highest = torch.stack(torch.aminmax(values)).tolist()
+    return lowest, highest
 
 
 class VerifierState:
@@ -128,12 +137,9 @@ class TransformerVerifier:
             visible = torch.ones(width, entries, dtype=torch.bool, device=device)
             visible = visible.tril(state.uncommitted).unsqueeze(0)
 
-        # where the block goes (one host sync): row b's entries at fed_lengths[b] + uncommitted
+        # where the block goes: row b's entries at fed_lengths[b] + uncommitted
         first_slot = state.fed_lengths + state.uncommitted  # [B]
-        if batch == 1:
-            lowest = highest = int(first_slot)
-        else:
-            lowest, highest = (int(end) for end in torch.aminmax(first_slot))
+        lowest, highest = value_range(first_slot)
         span = highest + width
         x = block_forward.embed(dec, block_tokens, state.fed_lengths.unsqueeze(1) + depths,
                                 self._positions(span))  # fmt: skip
