@@ -1,12 +1,12 @@
 #!/bin/bash
 # The whole model recipe as one resumable campaign: verifier to convergence, its final model,
-# greedy distillation of the training set, then the cached drafter, the Spec-Drafter and the
-# 1-layer cached drafter on it.
+# greedy distillation of the training set, then the cached drafter, the 1-layer cached drafter
+# and the Spec-Drafter on it.
 #   [PATIENCE=3] scripts/campaign.sh DATA_BIN SPM_MODEL RAW_DIR WORK_DIR [fairseq-train flags]
 # DATA_BIN and SPM_MODEL come from scripts/prepare_data.py RAW_DIR (the data-bin and its spm.model);
 # RAW_DIR holds the raw {train,valid,test}.{de,en}: the final BLEU is scored against its
 # references, and its size sets the distillation's shards. Each stage writes under WORK_DIR
-# (verifier/, distilled/, drafter-cached/, drafter-spec/, drafter-cached-1layer/); training
+# (verifier/, distilled/, drafter-cached/, drafter-cached-1layer/, drafter-spec/); training
 # stages append to their train.log. The extra flags go to every fairseq-train after the
 # campaign's checkpoint flags (--save-interval-updates 500 --keep-interval-updates 5
 # --max-epoch 30), which they can change, and before the stage's own flags, which they cannot.
@@ -166,10 +166,11 @@ main() {
                     --maximize-best-checkpoint-metric --required-batch-size-multiple 1)
   local kind size layers
   # a drafter has stopped learning when its acceptance gains 0.01 tokens per iteration or less
-  # in 3 epochs: a metric creeping by thousandths would otherwise run to --max-epoch. The
-  # 1-layer cached drafter comes last: it only answers whether cheaper drafts pay for the ones
-  # it loses.
-  for kind in cached spec cached-1layer; do
+  # in 3 epochs: a metric creeping by thousandths would otherwise run to --max-epoch. The two
+  # cached drafters come first: one of them is the bundle's (the Spec-Drafter drafts at about
+  # 1.3x their cost, BENCHMARKS.md), so the pair can be packaged while the Spec-Drafter trains
+  # for the comparison.
+  for kind in cached cached-1layer spec; do
     # each drafter's decoder depth comes last: an extra --decoder-layers (the verifier's) cannot
     # change it
     case $kind in

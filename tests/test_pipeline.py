@@ -45,7 +45,7 @@ def pipeline(tmp_path_factory):
     return built_once(tmp_path_factory, "pipeline", build_pipeline)
 
 
-# the verifier's decoder depth, which the campaign's drafters (2, 2 and 1 layers) do not take
+# the verifier's decoder depth, which the campaign's drafters (2, 1 and 2 layers) do not take
 VERIFIER_DECODER_LAYERS = 3
 
 
@@ -156,7 +156,7 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     assert refusal in other_beam.stderr
 
 
-DRAFTER_STAGES = ("drafter-cached", "drafter-spec", "drafter-cached-1layer")
+DRAFTER_STAGES = ("drafter-cached", "drafter-cached-1layer", "drafter-spec")
 
 
 def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
@@ -174,6 +174,10 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
     verifier = torch.load(pipeline["verifier"], weights_only=False)["cfg"]["model"]
     assert verifier.decoder_layers == VERIFIER_DECODER_LAYERS
     assert "distilling the training set in 1 shard(s)" in pipeline["campaign_log"]
+    # the bundle's candidates (both cached drafters) train before the Spec-Drafter
+    log = pipeline["campaign_log"]
+    starts = [log.index(f"{campaign / stage}: training") for stage in DRAFTER_STAGES]
+    assert starts == sorted(starts)
     logs = {path: path.read_bytes() for path in campaign.glob("*/train.log")}
     again = run(*pipeline["campaign_command"]).stdout
     for stage in ("verifier", *DRAFTER_STAGES):
