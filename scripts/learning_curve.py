@@ -11,7 +11,10 @@ one of its checkpoint) appears once. --epoch-ends keeps the validation with the 
 each finished epoch only (fairseq also validates at every mid-epoch save). For a drafter:
 --metrics loss,acc,accepted_lossless,accepted_top_beta.
 
-After the table, a line says where the best validation was and how many came after it. With
+After the table, a line says where the best validation was and how many came after it, and one
+how long the logged updates took: fairseq's train_wall summed over the logs' train_inner lines
+(forward and backward passes, without validation; work a resumed run redid counts again, as it
+took the time again). With
 --converged N the exit status says whether the run has converged by the rule "the best metric has
 not improved over N validations in a row": 0 if so, 1 if not (also before any validation; 2: an
 error); with --epoch-ends, N validated epochs. With --min-delta D only a gain of more than D over
@@ -30,22 +33,26 @@ VALIDATION = re.compile(r"\| valid \| epoch (\d+) \| valid on '[^']*' subset \| 
 # tells, when a stop fell between the saves and that line
 EPOCH_END = re.compile(r"\| end of epoch (\d+) \(")
 EPOCH_START = re.compile(r"\| begin training epoch (\d+)$")
+# every --log-interval updates: the seconds those updates took (train_wall=)
+TRAIN_INNER = re.compile(r"\| train_inner \| .*\btrain_wall=(\d+(?:\.\d+)?)")
 
 
 def validations(paths):
-    """({update: (epoch, {metric: value text})} in update order, the set of finished epochs)
-    over the logs."""
-    found, finished = {}, set()
+    """({update: (epoch, {metric: value text})} in update order, the set of finished epochs,
+    seconds of training steps) over the logs."""
+    found, finished, seconds = {}, set(), 0.0
     for path in paths:
         for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
-            if match := EPOCH_END.search(line):
+            if match := TRAIN_INNER.search(line):
+                seconds += float(match.group(1))
+            elif match := EPOCH_END.search(line):
                 finished.add(int(match.group(1)))
             elif match := EPOCH_START.search(line):
                 finished.add(int(match.group(1)) - 1)
             elif match := VALIDATION.search(line):
                 fields = dict(field.strip().split(" ", 1) for field in match.group(2).split(" | "))
                 found[int(fields["num_updates"])] = (int(match.group(1)), fields)
-    return dict(sorted(found.items())), finished
+    return dict(sorted(found.items())), finished, seconds
 
 
 def since_best(rows, metric: str, maximize: bool, min_delta: float = 0.0):
@@ -93,7 +100,7 @@ def main():
     args = parser.parse_args()
     if args.min_delta < 0:
         fail(f"--min-delta must be >= 0, got {args.min_delta:g}")
-    rows, finished = validations(args.logs)
+    rows, finished, seconds = validations(args.logs)
     if args.epoch_ends:
         last_of_epoch = {epoch: update for update, (epoch, _) in rows.items() if epoch in finished}
         rows = {update: rows[update] for update in last_of_epoch.values()}
@@ -113,6 +120,7 @@ def main():
     best_epoch, best_fields = rows[best_update]
     print(f"\nbest {args.best_metric} {best_fields[args.best_metric]} at update {best_update} "
           f"(epoch {best_epoch}), {after} validation(s) after it")
+    print(f"training steps: {seconds / 3600:.2f} h (train_wall of the logged updates)")
     if args.converged is not None:
         sys.exit(0 if after >= args.converged else 1)
 

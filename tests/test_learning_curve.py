@@ -109,3 +109,19 @@ def test_min_delta_counts_only_gains_larger_than_it_as_improvements(tmp_path):
     bad = run([tmp_path / "empty.log"], "--converged", "3", "--min-delta", "-1")  # before reading
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["learning_curve.py: --min-delta must be >= 0, got -1"]
+
+
+def train_inner_line(update, seconds):
+    return (f"2026-11-23 13:20:00 | INFO | train_inner | epoch 001:     50 / 653 loss=9.1, "
+            f"ups=0.75, num_updates={update}, lr=0.0001, gnorm=0.6, clip=0, train_wall={seconds}, "
+            "wall=0")
+
+
+def test_training_time_sums_train_wall_over_resumed_logs(tmp_path):
+    first, resumed = tmp_path / "train.log", tmp_path / "train2.log"
+    first.write_text("\n".join([train_inner_line(50, 66), train_inner_line(100, 70),
+                                validation_line(1, 100, 5.0)]) + "\n")  # fmt: skip
+    # the resumed run redid updates 51-100: that took time again
+    resumed.write_text("\n".join([train_inner_line(100, 3464), validation_line(1, 100, 5.0)]) + "\n")
+    assert "training steps: 1.00 h (train_wall" in run([first, resumed]).stdout
+    assert "training steps: 0.04 h" in run([first]).stdout
