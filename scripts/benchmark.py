@@ -42,8 +42,9 @@ MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts
 Systems: fairseq greedy and beam 5 (stock SequenceGenerator), speculative lossless (beta 1,
 tau 0) and speculative top-beta/tau. BLEU is sacreBLEU on detokenized, cased output of the
 large-batch run. Timing: each batch (or, for latency, each sentence) runs every system in a
-rotating order, so slow phases of a noisy machine hit all systems alike; the first
---warmup-lines sentences of the latency run are not timed. Ratios are speculative time over
+rotating order, so slow phases of a noisy machine hit all systems alike; --warmup-lines
+sentences are decoded untimed first (run, ceiling and sampling: the first ones of the latency
+run; sweep: fairseq greedy on them before anything is timed). Ratios are speculative time over
 fairseq time from the same process.
 """
 
@@ -68,6 +69,7 @@ from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.tree import chain
 from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.decoding.verifier import TransformerVerifier
+from spec_nmt.errors import SpecNmtError
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 # the same output length limit for every system: the decoding default
@@ -131,8 +133,11 @@ def bleu(pair, token_lists, refs):
 
 
 def read_lines(path, limit=None):
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\n") for line in f]
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except OSError as error:
+        raise SpecNmtError(f"cannot read {path}: {error.strerror}") from None
     return lines[:limit] if limit else lines
 
 
@@ -296,6 +301,9 @@ class OracleDrafter:
 
     def max_positions(self) -> int:
         return self._max_positions
+
+    def max_source_positions(self) -> int:
+        return sys.maxsize  # it reads no source: any the verifier takes
 
     def start(self, net_input, verifier_encoder_out):
         sources = net_input["src_tokens"]
@@ -557,7 +565,7 @@ def ceiling_table(result):
     return table(columns, result["rows"])
 
 
-def draft_plan(text):
+def sampling_system(text):
     """chain:K, rsd-c:B1-B2-... or rsd-s:WIDTHxDEPTH → (name, decoding settings)."""
     kind, _, shape = text.partition(":")
     if kind == "chain":
@@ -585,18 +593,18 @@ def sampling(args):
     tokens = pair.encode(src)
     rows = []
     for temperature in args.temperatures:
-        plans = dict(args.systems)
+        speculative = dict(args.systems)  # name -> decoding settings
         systems = {"fairseq sampling": fairseq_sampler(pair, temperature)}
         systems.update({
             name: pair.generator(temperature=temperature, **settings)
-            for name, settings in plans.items()
+            for name, settings in speculative.items()
         })
         torch.manual_seed(1)
         batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
         for name, generator in systems.items():
             row = {
                 "temperature": temperature, "system": name,
-                "drafted_tokens_per_call": tree_nodes(generator.plan) if name in plans else 0,
+                "drafted_tokens_per_call": tree_nodes(generator.plan) if name in speculative else 0,
                 "bleu": bleu(pair, batched[name]["tokens"], refs)[0],
                 "batch1_ms_per_sentence": round(1000 * single[name] / latency_lines, 1),
                 "batch1_speedup_vs_fairseq": round(single["fairseq sampling"] / single[name], 2),
@@ -611,7 +619,7 @@ def sampling(args):
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {
-        "mode": "sampling", "lines": len(src), "latency_lines": args.latency_lines,
+        "mode": "sampling", "lines": len(src), "latency_lines": latency_lines,
         "batch_size": args.batch_size, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
         "environment": environment(), "rows": rows,
     }
@@ -633,8 +641,12 @@ def sampling_table(result):
 
 
 def setting(text):
-    k, beta, tau = text.split(":")
-    return int(k), int(beta), float(tau)
+    """K:BETA:TAU (e.g. 10:3:1.0) → (k, beta, tau)."""
+    try:
+        k, beta, tau = text.split(":")
+        return int(k), int(beta), float(tau)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K:BETA:TAU (e.g. 10:3:1.0)") from None
 
 
 def markdown_table(result):
@@ -656,7 +668,13 @@ def markdown_table(result):
 
 
 def comma_list(kind):
-    return lambda text: [kind(x) for x in text.split(",")]
+    """An argparse type: comma-separated values of ``kind``."""
+
+    def parse(text):
+        return [kind(x) for x in text.split(",")]
+
+    parse.__name__ = f"comma-separated {kind.__name__}"  # argparse names it in its errors
+    return parse
 
 
 def main():
@@ -687,8 +705,8 @@ def main():
     parser.add_argument("--drafter", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
     parser.add_argument("--temperatures", type=comma_list(float), default=[1.0, 0.7],
                         help="sampling: temperatures")
-    parser.add_argument("--systems", type=comma_list(draft_plan),
-                        default=[draft_plan(x) for x in ("chain:6", "rsd-c:2-1-1", "rsd-s:2x3")],
+    parser.add_argument("--systems", type=comma_list(sampling_system),
+                        default=[sampling_system(x) for x in ("chain:6", "rsd-c:2-1-1", "rsd-s:2x3")],
                         help="sampling: chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH")
     parser.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32, 64],
                         help="ceiling, block-cost: batch sizes to measure")

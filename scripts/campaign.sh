@@ -132,9 +132,12 @@ main() {
   local epochs=(--save-interval-updates 500 --keep-interval-updates 5
                 --validate-interval-updates 0 --max-epoch 30 "${DEVICE[@]}" "${EXTRA[@]}")
 
+  # validation BLEU: greedy, with the decoding settings' length limits
+  local bleu_args
+  bleu_args=$(python -c 'import json; from spec_nmt.decoding.settings import DEFAULTS
+print(json.dumps({"beam": 1, "max_len_a": DEFAULTS.max_len_a, "max_len_b": DEFAULTS.max_len_b}))')
   train verifier -- "$SCRIPTS/train_verifier.sh" "$DATA_BIN" "$WORK/verifier" small \
-    "${epochs[@]}" --eval-bleu --eval-bleu-args '{"beam": 1, "max_len_a": 1.2, "max_len_b": 10}' \
-    --eval-bleu-remove-bpe sentencepiece
+    "${epochs[@]}" --eval-bleu --eval-bleu-args "$bleu_args" --eval-bleu-remove-bpe sentencepiece
 
   local verifier=$WORK/verifier/checkpoint_final.pt
   # final.json is written last, whole

@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from spec_nmt.data_prep import filter_pair_lengths, run_fairseq_preprocess, translate_subset
+from spec_nmt.data_prep import MAX_PIECES, filter_pair_lengths, run_fairseq_preprocess, translate_subset
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.files import written_whole
 
@@ -84,7 +84,7 @@ def main():
     parser.add_argument("--num-shards", type=int, default=1, help="split the batches into N shards")
     parser.add_argument("--shard-id", type=int, default=None,
                         help="translate this shard only (default: every shard not done yet)")
-    parser.add_argument("--max-len", type=int, default=250, help="drop longer pairs (pieces)")
+    parser.add_argument("--max-len", type=int, default=MAX_PIECES, help="drop longer pairs (pieces)")
     parser.add_argument("--max-ratio", type=float, default=3.0,
                         help="drop pairs with a longer source/output length ratio (hallucinations)")
     parser.add_argument("--cpu", action="store_true", help="translate on CPU")

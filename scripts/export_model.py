@@ -4,7 +4,7 @@
     python scripts/export_model.py --verifier V.pt --drafter D.pt --data-bin DATA_BIN \
         --spm-model spm.model OUT_DIR
 
-Writes OUT_DIR/{verifier.pt, drafter.pt, dict.de.txt, dict.en.txt, spm.model}: weights in fp16
+Writes OUT_DIR/{verifier.pt, drafter.pt, dict.SRC.txt, dict.TGT.txt, spm.model}: weights in fp16
 (they are cast back to the running dtype on load), no optimizer state, no training paths. This is
 the layout `make translate` and `fairseq-interactive MODEL_DIR --path MODEL_DIR/verifier.pt
 --drafter-path MODEL_DIR/drafter.pt` expect.
@@ -48,7 +48,7 @@ def main():
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--verifier", type=Path, required=True, help="verifier checkpoint")
     parser.add_argument("--drafter", type=Path, required=True,
-                        help="drafter checkpoint (Spec-Drafter or cached drafter)")
+                        help="drafter checkpoint (Spec-Drafter, cached or autoregressive drafter)")
     parser.add_argument("--data-bin", type=Path, required=True, help="data-bin both were trained on")
     parser.add_argument("--spm-model", type=Path, required=True, help="sentencepiece model of the data")
     parser.add_argument("--source-lang", default="de")

@@ -116,6 +116,10 @@ def main():
     best = args.run_dir / "checkpoint_best.pt"
     if not best.is_file():
         raise SpecNmtError(f"{best} is missing: RUN_DIR must be a fairseq-train --save-dir")
+    for subset in ("valid", "test"):  # checked now, not after the averaging and decoding
+        reference = args.raw / f"{subset}.{args.target_lang}"
+        if not reference.is_file():
+            raise SpecNmtError(f"{reference} is missing: --raw holds the raw references")
 
     averaged = args.run_dir / f"checkpoint_avg{args.last}.pt"
     sources = last_interval_checkpoints(args.run_dir, args.last)

@@ -12,7 +12,7 @@ joined dictionary, ready for fairseq-train).
 import argparse
 import logging
 
-from spec_nmt.data_prep import prepare
+from spec_nmt.data_prep import MAX_PIECES, MAX_RATIO, VOCAB_SIZE, prepare
 
 
 def main():
@@ -21,9 +21,12 @@ def main():
     parser.add_argument("out_dir", help="output directory (spm.model, spm/, bin/)")
     parser.add_argument("--source-lang", default="de", help="source language suffix")
     parser.add_argument("--target-lang", default="en", help="target language suffix")
-    parser.add_argument("--vocab-size", type=int, default=8000, help="joint sentencepiece vocabulary size")
-    parser.add_argument("--max-len", type=int, default=250, help="drop training pairs longer than this (pieces)")
-    parser.add_argument("--max-ratio", type=float, default=1.5, help="drop training pairs with a longer length ratio")
+    parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE,
+                        help="joint sentencepiece vocabulary size")
+    parser.add_argument("--max-len", type=int, default=MAX_PIECES,
+                        help="drop training pairs longer than this (pieces)")
+    parser.add_argument("--max-ratio", type=float, default=MAX_RATIO,
+                        help="drop training pairs with a longer length ratio")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     prepare(args.raw_dir, args.out_dir, args.source_lang, args.target_lang, args.vocab_size,

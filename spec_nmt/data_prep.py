@@ -141,7 +141,13 @@ def translate_subset(data_bin, checkpoint, subset, beam, max_tokens, languages=(
     return {i: (sources[i], hypotheses[i]) for i in sorted(hypotheses)}
 
 
-def prepare(raw_dir, out_dir, src="de", tgt="en", vocab_size=8000, max_len=250, max_ratio=1.5):
+# the data recipe's defaults: joint sentencepiece vocabulary, and the training pairs kept (at
+# most MAX_PIECES pieces a side, a length ratio of at most MAX_RATIO)
+VOCAB_SIZE, MAX_PIECES, MAX_RATIO = 8000, 250, 1.5
+
+
+def prepare(raw_dir, out_dir, src="de", tgt="en", vocab_size=VOCAB_SIZE, max_len=MAX_PIECES,
+            max_ratio=MAX_RATIO):  # fmt: skip
     """raw_dir/{train,valid,test}.{src,tgt} -> out_dir/{spm.model, spm/*, bin/}."""
     import sentencepiece as spm
 

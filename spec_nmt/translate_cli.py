@@ -21,6 +21,7 @@ from typing import Iterator, List, TextIO
 
 from tqdm import tqdm
 
+from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.tasks.spec_translation import tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
@@ -45,19 +46,21 @@ def parse_args(argv=None):
         "--block-size",
         type=int,
         default=None,
-        help="k: drafted tokens per iteration (task default if unset)",
+        help=f"k: drafted tokens per iteration (default {DEFAULTS.block_size})",
     )
     parser.add_argument(
         "--beta",
         type=int,
         default=None,
-        help="top-beta rule: accept drafts among the verifier's beta best",
+        help="top-beta rule: accept drafts among the verifier's beta best "
+        f"(default {DEFAULTS.beta})",
     )
     parser.add_argument(
         "--tau",
         type=float,
         default=None,
-        help="top-beta rule: accept drafts within tau of the best log-prob",
+        help="top-beta rule: accept drafts within tau of the best log-prob "
+        f"(default {DEFAULTS.tau:g})",
     )
     parser.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch"

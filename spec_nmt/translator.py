@@ -26,12 +26,13 @@ import torch
 from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.generator import SpeculativeGenerator
+from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.settings import DEFAULTS, DecodingSettings
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
 from spec_nmt.sentences import join_sentences, split_sentences
-from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
+from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask, cut_to_limit
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,7 @@ class SpecTranslator:
         self.spm = spm_model
         self.settings = settings  # every call's defaults
         self.src_dict, self.tgt_dict = task.source_dictionary, task.target_dictionary
-        self.max_source_tokens = min(
-            task.cfg.max_source_positions,
-            verifier.encoder.max_positions(),
-            drafter.max_source_positions(),
-        )
+        self.max_source_tokens = task.source_token_limit(verifier, drafter)
         self.statistics: List[Dict] = []
 
     @classmethod
@@ -117,7 +114,7 @@ class SpecTranslator:
         and joined again (``split_sentences=False`` sends each line as one sentence).
         ``progress(n)`` is called whenever n more lines are done."""
         generator = self.generator(**settings)
-        if generator.verify != "top_beta":
+        if RULES[generator.verify].sampled_drafts:
             raise SpecNmtError("translate() verifies greedy decoding; use sample() to sample")
         return self._decode(generator, lines, batch_size, split_sentences, progress)
 
@@ -126,7 +123,7 @@ class SpecTranslator:
         lines: Union[str, Sequence[str]],
         temperature: Optional[float] = None,
         seed: Optional[int] = None,
-        verify: str = "sampling",
+        verify: Optional[str] = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
         split_sentences: bool = True,
         progress: Optional[Callable[[int], None]] = None,
@@ -134,10 +131,15 @@ class SpecTranslator:
     ):
         """Sample translations exactly from the verifier (temperature, sampling_topk,
         sampling_topp), several tokens per verifier call; ``verify`` is ``sampling`` or ``rsd``
-        (draft tree: tree_branching or tree_budget, else the default tree). Equal seeds give
-        equal samples. Lines are split into sentences as in translate()."""
-        if verify not in ("sampling", "rsd"):
-            raise SpecNmtError(f"sample() takes verify='sampling' or 'rsd', got {verify!r}")
+        (draft tree: tree_branching or tree_budget, else the default tree), by default the
+        translator's rule if it samples, else ``sampling``. Equal seeds give equal samples.
+        Lines are split into sentences as in translate()."""
+        sampling_rules = [name for name, rule in RULES.items() if rule.sampled_drafts]
+        if verify is None:
+            verify = self.settings.verify if self.settings.verify in sampling_rules else "sampling"
+        if verify not in sampling_rules:
+            choices = " or ".join(repr(name) for name in sampling_rules)
+            raise SpecNmtError(f"sample() takes verify={choices}, got {verify!r}")
         # temperature and seed default to the translator's settings
         given = {"temperature": temperature, "seed": seed}
         settings.update({name: value for name, value in given.items() if value is not None})
@@ -151,13 +153,7 @@ class SpecTranslator:
         for line in lines:
             pieces = " ".join(self.spm.encode(_clean(line), out_type=str))
             ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=True).long()
-            if ids.numel() > self.max_source_tokens:
-                logger.warning(
-                    "input line of %d tokens is longer than the models accept; translating its "
-                    "first %d tokens", ids.numel() - 1, self.max_source_tokens - 1,
-                )  # fmt: skip
-                ids = torch.cat([ids[: self.max_source_tokens - 1], ids[-1:]])
-            tokens.append(ids)
+            tokens.append(cut_to_limit(ids, self.max_source_tokens))
         return tokens
 
     def decode(self, token_ids: torch.Tensor) -> str:

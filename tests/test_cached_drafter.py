@@ -10,6 +10,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.drafters import CachedDrafter
+from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import cut_visibility
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
@@ -159,8 +160,8 @@ def test_validation_logs_the_acceptance_that_decoding_measures(toy):
     result = fairseq(
         "generate", toy["bin"], "--user-dir", USER_DIR, "--task", "spec_translation",
         "--path", toy["verifier"], "--drafter-path", toy["cached_drafter"], "--gen-subset", "valid",
-        "--block-size", BLOCK_SIZE, "--max-tokens", 2000, "--max-len-a", 1.2, "--max-len-b", 10,
-        "--cpu",
+        "--block-size", BLOCK_SIZE, "--max-tokens", 2000,
+        *DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"]), "--cpu",
     )  # fmt: skip
     decoded = re.search(r"mean accepted tokens per iteration ([0-9.]+)", result.stderr).group(1)
     assert float(decoded) == pytest.approx(lossless[-1], abs=0.006)

@@ -127,6 +127,9 @@ class OracleDrafter:
     def max_positions(self):
         return 1024
 
+    def max_source_positions(self):
+        return 1024
+
     def start(self, net_input, verifier_encoder_out):
         return {"rows": torch.arange(self.greedy.size(0))}  # original row of each state row
 

@@ -18,6 +18,7 @@ from fairseq import checkpoint_utils
 from fairseq.data import data_utils
 
 from spec_nmt.data_prep import check_raw_dir
+from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 from tests.conftest import BIN, REPO, TINY_TRANSFORMER, built_once, fairseq, script_module
 from tests.toy_corpus import make_pairs, write_corpus
@@ -44,6 +45,9 @@ def pipeline(tmp_path_factory):
     runs from stopping at a plateau, so every stage ends at the same update), then the export."""
     return built_once(tmp_path_factory, "pipeline", build_pipeline)
 
+
+# the output length limits of every decoder the project runs
+LENGTH_FLAGS = DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"])
 
 # the verifier's decoder depth, which the campaign's drafters (2, 1 and 2 layers) do not take
 VERIFIER_DECODER_LAYERS = 3
@@ -117,7 +121,7 @@ def test_campaign_finished_the_verifier_by_averaging_keeping_the_better_and_scor
     # to multiples of 8: fairseq then drops the last batch (fairseq issue #5036).
     stock = fairseq(
         "generate", data / "bin", "--path", run_dir / "checkpoint_final.pt", "--beam", 1,
-        "--max-len-a", 1.2, "--max-len-b", 10, "--bpe", "sentencepiece", "--sentencepiece-model",
+        *LENGTH_FLAGS, "--bpe", "sentencepiece", "--sentencepiece-model",
         data / "spm.model", "--scoring", "sacrebleu", "--gen-subset", "test", "--cpu",
         "--required-batch-size-multiple", 1,
     ).stdout  # fmt: skip

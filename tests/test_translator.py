@@ -68,6 +68,9 @@ def test_samples_are_reproducible_with_a_seed(translator):
     other = translator.sample(lines, temperature=0.8, seed=6, verify="rsd", tree_branching="2,1,1")
     assert first == again and first != other
     assert all(first)
+    # a translator made for RSD samples with RSD by default, with its own tree
+    rsd = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, verify="rsd", tree_branching="2,1,1")
+    assert rsd.sample(lines, temperature=0.8, seed=5) == first
 
 
 @pytest.mark.parametrize(

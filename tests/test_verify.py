@@ -119,4 +119,4 @@ def test_invalid_parameters(beta, tau):
 def test_adaptive_block_sizes_double_after_full_blocks_and_drop_after_rejections():
     sizes = torch.tensor([4, 4, 8, 2, 6])
     accepted = torch.tensor([4, 1, 8, 3, 0])  # full, early rejection, full at the cap, more than k, none
-    assert adapted_block_sizes(sizes, accepted, drafted=8, largest=10).tolist() == [8, 2, 10, 4, 1]
+    assert adapted_block_sizes(sizes, accepted, depth=8, largest=10).tolist() == [8, 2, 10, 4, 1]

@@ -25,6 +25,7 @@ from spec_nmt.decoding.tree import (
     stochastic_beam_step,
 )
 from spec_nmt.decoding.verifier import TransformerVerifier, value_range
+from spec_nmt.models.spec_drafter import masked_input
 
 
 @dataclass(frozen=True)
@@ -188,14 +189,7 @@ class NarDrafter:
         """Float logits [B, k, V] (PAD excluded) at the k masks after each row's
         ``tokens[b, :lengths[b] + 1]`` (BOS + verified prefix). ``tokens`` must be at least
         ``lengths.max() + 1 + k`` wide."""
-        width = int(lengths.max()) + 1 + k
-        slots = torch.arange(width, device=tokens.device).unsqueeze(0)
-        prefix_end = lengths.unsqueeze(1) + 1
-        decoder_input = torch.where(
-            slots < prefix_end,
-            tokens[:, :width],
-            torch.where(slots < prefix_end + k, self.mask, self.pad),
-        )
+        decoder_input = masked_input(tokens, lengths + 1, k, self.mask, self.pad)
         logits, _ = self.model.decoder(decoder_input, encoder_out)  # at the masks only
         # [MASK] is the drafter's last symbol, appended to the verifier's dictionary: dropping
         # its column leaves distributions over exactly the verifier's vocabulary.

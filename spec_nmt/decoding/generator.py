@@ -82,7 +82,7 @@ class SpeculativeGenerator:
     seeded with the settings' seed, so equal seeds give equal outputs.
     """
 
-    def __init__(self, verifier, drafter, tgt_dict, settings: DecodingSettings, max_len: int = 0):
+    def __init__(self, verifier, drafter, tgt_dict, settings: DecodingSettings):
         if verifier.temperature != settings.temperature:
             raise ValueError("the verifier adapter's temperature differs from the settings'")
         self.verifier = verifier
@@ -93,7 +93,7 @@ class SpeculativeGenerator:
         self._rng: Optional[torch.Generator] = None
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
-        self.max_len = max_len or verifier.max_positions()
+        self.max_len = verifier.max_positions()
         self.stats = DecodingStats()
 
     def rng(self, device: torch.device) -> torch.Generator:
@@ -348,13 +348,13 @@ class SpeculativeGenerator:
 
 
 def adapted_block_sizes(
-    block_sizes: Tensor, n_accepted: Tensor, drafted: int, largest: int
+    block_sizes: Tensor, n_accepted: Tensor, depth: int, largest: int
 ) -> Tensor:
     """Each sentence's next k: twice its k after it accepted all its k drafts (at most
-    ``largest``; a batch drafts its largest k for every sentence), the accepted count + 1 after a
-    rejection (multiplicative increase, fast decrease: a sentence's acceptance runs are similar
-    from one iteration to the next)."""
-    fully_accepted = n_accepted >= block_sizes.clamp(max=drafted)
+    ``largest``; a batch drafts its largest k for every sentence, ``depth`` this iteration), the
+    accepted count + 1 after a rejection (multiplicative increase, fast decrease: a sentence's
+    acceptance runs are similar from one iteration to the next)."""
+    fully_accepted = n_accepted >= block_sizes.clamp(max=depth)
     grown = (2 * block_sizes).clamp(max=largest)
     return torch.where(fully_accepted, grown, n_accepted + 1)
 

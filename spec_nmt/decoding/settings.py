@@ -6,7 +6,7 @@ shape happen here, once.
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.rules import RULES
@@ -103,10 +103,10 @@ class DecodingSettings:
         generation = {name: getattr(args, name) for name in GENERATION_SETTINGS if hasattr(args, name)}
         return cls(**rule, **generation, seed=seed)
 
-    def fairseq_flags(self, names_: Optional[List[str]] = None) -> List[str]:
-        """These settings as fairseq command-line flags (all generation ones by default)."""
+    def fairseq_flags(self, settings: Sequence[str]) -> List[str]:
+        """The named ones of these settings as fairseq command-line flags."""
         flags = []
-        for name in names_ or GENERATION_SETTINGS:
+        for name in settings:
             value = getattr(self, name)
             if isinstance(value, bool):
                 flags += [f"--{name.replace('_', '-')}"] if value else []

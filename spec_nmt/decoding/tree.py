@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.verify import residual, sample_from
+from spec_nmt.decoding.verify import before_any_eos, residual, sample_from
 
 
 class DraftTree(NamedTuple):
@@ -53,8 +53,7 @@ def _chain_shape(k: int, device: torch.device) -> Tuple[Tensor, Tensor]:
 
 def greedy_chain(tokens: Tensor, eos: int) -> DraftTree:
     """The chain of greedy drafts [B, k]; drafts after an EOS are empty slots."""
-    is_eos = tokens.eq(eos)
-    return chain(tokens, valid=is_eos.cumsum(dim=1) <= is_eos)  # no EOS before the node
+    return chain(tokens, valid=before_any_eos(tokens, eos))
 
 
 def block_visibility(parents: Tensor) -> Tensor:

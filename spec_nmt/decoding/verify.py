@@ -23,6 +23,19 @@ def check_top_beta_params(beta: int, tau: float) -> None:
         raise SpecNmtError(f"--tau must be >= 0, got {tau}")
 
 
+def before_any_eos(tokens: Tensor, eos: int) -> Tensor:
+    """[B, k] bool: whether no EOS comes before each position of ``tokens`` [B, k] (the position
+    itself may hold one)."""
+    is_eos = tokens.eq(eos)
+    return is_eos.cumsum(dim=1) <= is_eos
+
+
+def accepted_count(passes: Tensor, draft_tokens: Tensor, eos: int) -> Tensor:
+    """Accepted drafts per row [B]: the leading run of drafts that pass [B, k], none after an
+    accepted EOS (the sentence ends there)."""
+    return (passes & before_any_eos(draft_tokens, eos)).long().cumprod(dim=1).sum(dim=1)
+
+
 def accept_top_beta(
     draft_tokens: Tensor,  # [B, k] long
     verifier_scores: Tensor,  # [B, k+1, V] float: log-probs, or logits
@@ -68,12 +81,7 @@ def accept_top_beta(
     within_tau = draft_logprobs >= top_logprobs[:, :k, 0] - tau
     passes = in_top_beta & within_tau
 
-    # A draft after an EOS is never accepted: shift the EOS indicator one position right.
-    eos_before = torch.zeros_like(passes)
-    eos_before[:, 1:] = draft_tokens[:, :-1].eq(eos).cumsum(dim=1).gt(0)
-    passes &= ~eos_before
-
-    n_accepted = passes.long().cumprod(dim=1).sum(dim=1)
+    n_accepted = accepted_count(passes, draft_tokens, eos)
     next_tokens = next_candidates.gather(1, n_accepted.unsqueeze(1)).squeeze(1)
     return n_accepted, next_tokens
 
@@ -147,10 +155,7 @@ def speculative_sample(
     p_of_draft = draft_probs.gather(-1, index).squeeze(-1)
     # u < q/p, written without a division so that p = 0 (never drawn) cannot produce NaN.
     passes = uniforms * p_of_draft < q_of_draft
-    eos_before = torch.zeros_like(passes)
-    eos_before[:, 1:] = draft_tokens[:, :-1].eq(eos).cumsum(dim=1).gt(0)
-    passes &= ~eos_before
-    n_accepted = passes.long().cumprod(dim=1).sum(dim=1)
+    n_accepted = accepted_count(passes, draft_tokens, eos)
 
     rows = torch.arange(batch, device=draft_tokens.device)
     q_next = verifier_probs[rows, n_accepted]  # [B, V]

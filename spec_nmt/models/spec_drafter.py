@@ -28,6 +28,17 @@ logger = logging.getLogger(__name__)
 MASK_SYMBOL = "[MASK]"
 
 
+def masked_input(tokens: torch.Tensor, prefix_ends: torch.Tensor, k: int, mask: int,
+                 pad: int) -> torch.Tensor:  # fmt: skip
+    """The Spec-Drafter's decoder input [B, max(prefix_ends) + k], in training and decoding
+    alike: row b's first ``prefix_ends[b]`` tokens (BOS + prefix), k masks, then padding.
+    ``tokens`` [B, >= max(prefix_ends) + k] holds each row's BOS + prefix from column 0."""
+    width = int(prefix_ends.max()) + k
+    slots = torch.arange(width, device=tokens.device).unsqueeze(0)
+    ends = prefix_ends.unsqueeze(1)
+    return torch.where(slots < ends, tokens[:, :width], torch.where(slots < ends + k, mask, pad))
+
+
 # fairseq options that change what the verifier's tensors compute (or which of them exist)
 # without changing the copied weights' shapes, by the part of the model they shape. A drafter
 # started from a verifier takes the verifier's values for the parts it copies, so that the copied

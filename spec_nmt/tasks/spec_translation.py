@@ -35,7 +35,12 @@ from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.settings import DEFAULT_TREE_BRANCHING, DEFAULTS, DecodingSettings
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import CachedDrafterModel
-from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel, adopt_verifier_layout
+from spec_nmt.models.spec_drafter import (
+    MASK_SYMBOL,
+    SpecDrafterModel,
+    adopt_verifier_layout,
+    masked_input,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -325,13 +330,8 @@ class SpecTranslationTask(TranslationTask):
             net_input = dict(sample["net_input"], prev_output_tokens=torch.cat([shifted, masks], 1),
                              cuts=cuts.view(-1, m))  # fmt: skip
         else:
-            width = int(cuts.max()) + 1 + k
-            slots = torch.arange(width, device=target.device).unsqueeze(0)
-            prefix_end = cuts.unsqueeze(1) + 1
-            shifted = _fit_width(shifted.repeat_interleave(m, dim=0), width, pad)
-            decoder_input = torch.where(
-                slots < prefix_end, shifted, torch.where(slots < prefix_end + k, mask, pad)
-            )
+            shifted = _fit_width(shifted.repeat_interleave(m, dim=0), int(cuts.max()) + 1 + k, pad)
+            decoder_input = masked_input(shifted, cuts + 1, k, mask, pad)
             net_input = dict(sample["net_input"], prev_output_tokens=decoder_input)
         return dict(sample, net_input=net_input, target=labels, ntokens=int(labels.ne(pad).sum()))
 
@@ -362,13 +362,17 @@ class SpecTranslationTask(TranslationTask):
         settings = DecodingSettings.from_fairseq(self.cfg, args, seed)
         return self.generator_for(verifier_model, drafter, settings)
 
-    def generator_for(self, verifier_model, drafter, settings: DecodingSettings):
-        """The speculative generator for ``settings`` over these models."""
-        self._source_token_limit = min(
+    def source_token_limit(self, verifier_model, drafter) -> int:
+        """The most source tokens (EOS included) the task and both models accept."""
+        return min(
             self.cfg.max_source_positions,
             verifier_model.encoder.max_positions(),
             drafter.max_source_positions(),
         )
+
+    def generator_for(self, verifier_model, drafter, settings: DecodingSettings):
+        """The speculative generator for ``settings`` over these models."""
+        self._source_token_limit = self.source_token_limit(verifier_model, drafter)
         verifier = TransformerVerifier(verifier_model, temperature=settings.temperature)
         return SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings)
 
@@ -409,18 +413,20 @@ class SpecTranslationTask(TranslationTask):
         limit = self._source_token_limit
         if limit is None:
             return tokens, lengths
-        eos = self.source_dictionary.eos()
-        for i, line_tokens in enumerate(tokens):
-            if line_tokens.numel() > limit:
-                logger.warning(
-                    "input line of %d tokens is longer than the models accept; "
-                    "translating its first %d tokens",
-                    line_tokens.numel() - 1,
-                    limit - 1,
-                )
-                tokens[i] = torch.cat([line_tokens[: limit - 1], line_tokens.new_tensor([eos])])
-                lengths[i] = limit
-        return tokens, lengths
+        tokens = [cut_to_limit(line_tokens, limit) for line_tokens in tokens]
+        return tokens, [line_tokens.numel() for line_tokens in tokens]
+
+
+def cut_to_limit(line_tokens: torch.Tensor, limit: int) -> torch.Tensor:
+    """A source line's token ids (EOS last) as the models can take them: a line of more than
+    ``limit`` keeps its first ``limit - 1`` tokens and its EOS, with a warning."""
+    if line_tokens.numel() <= limit:
+        return line_tokens
+    logger.warning(
+        "input line of %d tokens is longer than the models accept; translating its first %d "
+        "tokens", line_tokens.numel() - 1, limit - 1,
+    )  # fmt: skip
+    return torch.cat([line_tokens[: limit - 1], line_tokens[-1:]])
 
 
 def tolerant_stdin() -> None:
@@ -516,7 +522,7 @@ def _check_generation_args(args, n_models: int, verify: str) -> None:
             f"--beam {args.beam} cannot be combined with --drafter-path: speculative decoding "
             "verifies greedy decoding or sampling (drop --beam or use --beam 1)"
         )
-    if verify == "top_beta" and getattr(args, "sampling", False):
+    if not RULES[verify].sampled_drafts and getattr(args, "sampling", False):
         raise SpecNmtError(
             "--sampling with --drafter-path needs --verify sampling or --verify rsd "
             "(top_beta verifies greedy decoding)"
