@@ -1,6 +1,7 @@
 """The HTML trace of draft/verify on the bundled model pair: its content, and (where Chromium is
 installed) that it renders to a non-blank screenshot."""
 
+import html
 import re
 import shutil
 import struct
@@ -36,7 +37,7 @@ def test_the_page_shows_every_iteration_and_the_lossless_translation(trace_page)
     for section, translation in zip(sections, translations):
         stated = int(re.search(r"(\d+) iterations \(verifier calls\)", section).group(1))
         assert section.count('<div class="iteration">') == stated >= 1
-        assert f'<p class="translation">{translation}</p>' in section.replace("&#x27;", "'")
+        assert f'<p class="translation">{html.escape(translation)}</p>' in section  # escaped
         assert "[MASK]" in section and 'class="tok pending"' in section
         assert re.search(r'class="tok (correction|bonus)"', section)
     assert "Guten Morgen, &lt;Welt&gt; &amp; Co." in page  # user text is escaped
