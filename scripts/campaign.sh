@@ -1,15 +1,16 @@
 #!/bin/bash
 # The whole model recipe as one resumable campaign: verifier to convergence, its final model,
-# greedy distillation of the training set, then the cached drafter, the 1-layer cached drafter
-# and the Spec-Drafter on it.
+# greedy distillation of the training set, then on it the cached drafter that reads the
+# verifier's states, the cached drafter, the 1-layer cached drafter and the Spec-Drafter.
 #   [PATIENCE=3] scripts/campaign.sh DATA_BIN SPM_MODEL RAW_DIR WORK_DIR [fairseq-train flags]
 # DATA_BIN and SPM_MODEL come from scripts/prepare_data.py RAW_DIR (the data-bin and its spm.model);
 # RAW_DIR holds the raw {train,valid,test}.{de,en}: the final BLEU is scored against its
 # references, and its size sets the distillation's shards. Each stage writes under WORK_DIR
-# (verifier/, distilled/, drafter-cached/, drafter-cached-1layer/, drafter-spec/); training
-# stages append to their train.log. The extra flags go to every fairseq-train after the
-# campaign's checkpoint flags (--save-interval-updates 500 --keep-interval-updates 5
-# --max-epoch 30), which they can change, and before the stage's own flags, which they cannot.
+# (verifier/, distilled/, drafter-states/, drafter-cached/, drafter-cached-1layer/,
+# drafter-spec/); training stages append to their train.log. The extra flags go to every
+# fairseq-train after the campaign's checkpoint flags (--save-interval-updates 500
+# --keep-interval-updates 5 --max-epoch 30), which they can change, and before the stage's own
+# flags, which they cannot.
 # finish_verifier.py averages the last 5 interval checkpoints: keep 5 or more.
 # Run it again after any stop: finished stages are skipped and the one in progress resumes from
 # its checkpoint_last.pt (repaired first if the stop cut fairseq's copies short:
@@ -169,14 +170,17 @@ print(json.dumps({"beam": 1, "max_len_a": DEFAULTS.max_len_a, "max_len_b": DEFAU
                     --maximize-best-checkpoint-metric --required-batch-size-multiple 1)
   local kind size layers
   # a drafter has stopped learning when its acceptance gains 0.01 tokens per iteration or less
-  # in 3 epochs: a metric creeping by thousandths would otherwise run to --max-epoch. The two
-  # cached drafters come first: one of them is the bundle's (the Spec-Drafter drafts at about
-  # 1.3x their cost, BENCHMARKS.md), so the pair can be packaged while the Spec-Drafter trains
-  # for the comparison.
-  for kind in cached cached-1layer spec; do
+  # in 3 epochs: a metric creeping by thousandths would otherwise run to --max-epoch. The cached
+  # drafters come first: one of them is the bundle's (the Spec-Drafter drafts at about 1.3x
+  # their cost, BENCHMARKS.md), so the pair can be packaged while the Spec-Drafter trains for
+  # the comparison; the one that reads the verifier's states first of all (it accepts the most).
+  local own
+  for kind in states cached cached-1layer spec; do
     # each drafter's decoder depth comes last: an extra --decoder-layers (the verifier's) cannot
     # change it
+    own=()
     case $kind in
+      states) size=cached_small layers=2 own=(--verifier-states) ;;
       cached) size=cached_small layers=2 ;;
       spec) size=small layers=2 ;;
       cached-1layer) size=cached_small layers=1 ;;
@@ -184,7 +188,7 @@ print(json.dumps({"beam": 1, "max_len_a": DEFAULTS.max_len_a, "max_len_b": DEFAU
     train "drafter-$kind" --metrics loss,acc,accepted_lossless,accepted_top_beta \
       --best-metric accepted_lossless --maximize --min-delta 0.01 -- \
       "$SCRIPTS/train_drafter.sh" "$WORK/distilled" "$WORK/drafter-$kind" "$size" \
-      "${epochs[@]}" "${acceptance[@]}" --decoder-layers "$layers"
+      "${epochs[@]}" "${acceptance[@]}" --decoder-layers "$layers" "${own[@]}"
   done
   log "done: export the pair with scripts/export_model.py (see README)"
 }

@@ -7,7 +7,7 @@
 # base:  spec_drafter_base (12 / 2, d=512), k=25, fp16, as SpecDec on WMT14.
 # cached_small/cached_base: the cached drafter (the verifier's encoder, frozen; a 2-layer decoder
 # with a causal prefix started from the verifier's first two; --decoder-layers 1 for one), k=10 / 25,
-# 4 cuts per sentence.
+# 4 cuts per sentence; --verifier-states: its prefix entries also read the verifier's states.
 source "$(dirname "$0")/train_common.sh"
 case "$SIZE" in
   small) MODEL=(--arch spec_drafter_small --block-size 10 --cuts-per-sentence 3 --dropout 0.1

@@ -125,7 +125,7 @@ def built_once(tmp_path_factory, name, build):
 
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory):
-    """Paths of the toy data-bin, the verifier, a trained and an untrained drafter."""
+    """Paths of the toy data-bin, the verifier and the drafters trained for it."""
     return built_once(tmp_path_factory, "toy", build_toy)
 
 
@@ -152,6 +152,10 @@ def build_toy(root):
         "--eval-acceptance-verifier", verifier, "--beta", 3, "--tau", 1,
         "--best-checkpoint-metric", "accepted_lossless", "--maximize-best-checkpoint-metric",
     )  # fmt: skip
+    train_drafter(
+        data_bin, root / "states_drafter", 300, "--arch", "cached_drafter", "--verifier-states",
+        "--cuts-per-sentence", 3, "--init-from-verifier", verifier,
+    )  # fmt: skip
     return {
         "root": root,
         "raw": raw,
@@ -160,6 +164,7 @@ def build_toy(root):
         "cached_drafter": root / "cached_drafter" / "checkpoint_last.pt",
         "cached_drafter_best": root / "cached_drafter" / "checkpoint_best.pt",
         "cached_drafter_log": cached_log.stdout + cached_log.stderr,
+        "states_drafter": root / "states_drafter" / "checkpoint_last.pt",
         "drafter": root / "drafter" / "checkpoint_last.pt",
         "drafter_dir": root / "drafter",
         "drafter_log": drafter_log.stdout + drafter_log.stderr,

@@ -11,24 +11,34 @@ from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.drafters import CachedDrafter
 from spec_nmt.decoding.settings import DEFAULTS
+from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import cut_visibility
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
 from tests.conftest import BLOCK_SIZE, REPO, USER_DIR, fairseq, train_drafter, train_losses
 
 
-@pytest.fixture(scope="module")
-def pair(toy):
+def load_pair(toy, drafter_name):
     (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [str(toy["cached_drafter"])], arg_overrides={"data": str(toy["bin"])}
+        [str(toy[drafter_name])], arg_overrides={"data": str(toy["bin"])}
     )
     (verifier,), _ = checkpoint_utils.load_model_ensemble([str(toy["verifier"])], task=task)
     return task, drafter.eval(), verifier.eval()
 
 
+@pytest.fixture(scope="module")
+def pair(toy):
+    return load_pair(toy, "cached_drafter")
+
+
+@pytest.fixture(scope="module")
+def states_pair(toy):
+    return load_pair(toy, "states_drafter")
+
+
 def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
     task, drafter, verifier = pair
-    drafter.check_encoder_matches(verifier)  # 300 updates left the copied encoder untouched
+    drafter.check_verifier_matches(verifier)  # 300 updates left the copied encoder untouched
     losses = train_losses(toy["cached_drafter_log"])
     assert losses[-1] < 0.75 * losses[0], losses
     weight = verifier.encoder.layers[0].fc1.weight
@@ -36,7 +46,7 @@ def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
     with torch.no_grad():
         weight[0, 0] += 0.01 * (1 + weight[0, 0].abs())  # beyond fp16's rounding at any size
     with pytest.raises(SpecNmtError, match="trained on another verifier's encoder"):
-        drafter.check_encoder_matches(verifier)
+        drafter.check_verifier_matches(verifier)
     with torch.no_grad():
         weight[0, 0] = kept
     # a model directory's copy (fp16 weights, export_model.py) of either model is the same encoder
@@ -48,23 +58,23 @@ def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
                     tensor.copy_(tensor.half())
             assert any(not torch.equal(fp32[name], tensor)
                        for name, tensor in exported.encoder.state_dict().items())  # fmt: skip
-            drafter.check_encoder_matches(verifier)
+            drafter.check_verifier_matches(verifier)
             # but an fp16 copy with one weight changed beyond fp16's rounding is another encoder
             with torch.no_grad():
                 changed = exported.encoder.layers[0].fc1.weight
                 changed[0, 0] += 0.01 * (1 + changed[0, 0].abs())
             with pytest.raises(SpecNmtError, match="trained on another verifier's encoder"):
-                drafter.check_encoder_matches(verifier)
+                drafter.check_verifier_matches(verifier)
         finally:
             exported.encoder.load_state_dict(fp32)
     # a final norm, as a pre-norm encoder has
     verifier.encoder.layer_norm = torch.nn.LayerNorm(verifier.encoder.embed_tokens.embedding_dim)
     try:
         with pytest.raises(SpecNmtError, match=r"only the verifier has layer_norm\.(weight|bias)"):
-            drafter.check_encoder_matches(verifier)
+            drafter.check_verifier_matches(verifier)
     finally:
         verifier.encoder.layer_norm = None
-    drafter.check_encoder_matches(verifier)
+    drafter.check_verifier_matches(verifier)
 
 
 def test_a_mask_block_sees_its_cut_prefix_and_its_own_block_only():
@@ -83,20 +93,29 @@ def test_a_mask_block_sees_its_cut_prefix_and_its_own_block_only():
 
 
 @torch.no_grad()
-def test_cached_iterations_equal_full_recomputation(pair):
+@pytest.mark.parametrize("pair_name", ["pair", "states_pair"])
+def test_cached_iterations_equal_full_recomputation(pair_name, request):
     """Random accept lengths per row, one row leaving: every iteration's mask distributions on
-    the cache equal the training forward over BOS + prefix + masks from scratch."""
-    task, drafter, verifier = pair
+    the cache equal the training forward over BOS + prefix + masks from scratch. The states
+    drafter gets the verifier's states from the verifier's own block scoring, as in decoding;
+    its training forward computes them with its frozen copy of the verifier's decoder."""
+    task, drafter, verifier_model = request.getfixturevalue(pair_name)
     dictionary = task.target_dictionary
     pad, eos = dictionary.pad(), dictionary.eos()
     adapter = CachedDrafter(drafter, pad=pad, eos=eos)
+    reads_states = pair_name == "states_pair"
+    assert adapter.reads_verifier_states == reads_states
+    if reads_states:  # trained: the states matter
+        assert drafter.state_projection.weight.abs().max() > 1e-3
+    verifier = TransformerVerifier(verifier_model)
     mask = task.drafter_dictionaries()[1].index(MASK_SYMBOL)
     src = torch.tensor([[pad, 9, 10, 11, eos], [12, 13, 14, 15, eos], [16, 17, 18, 19, eos]])
     net_input = {"src_tokens": src, "src_lengths": src.ne(pad).sum(1)}
-    encoder_out = verifier.encoder.forward_torchscript(net_input)
+    encoder_out = verifier_model.encoder.forward_torchscript(net_input)
     state = adapter.start(net_input, encoder_out)
+    verifier_state = verifier.start(net_input, encoder_out)
     generator = torch.Generator().manual_seed(3)
-    tokens = torch.full((3, 40), pad)
+    tokens = torch.full((3, 60), pad)
     tokens[:, 0] = eos
     lengths = torch.zeros(3, dtype=torch.long)
     rows = torch.arange(3)
@@ -106,21 +125,51 @@ def test_cached_iterations_equal_full_recomputation(pair):
         for i, row in enumerate(rows.tolist()):
             length = int(lengths[row])
             decoder_input = torch.cat([tokens[row, : length + 1], torch.full((k,), mask)])
-            row_encoder = verifier.encoder.reorder_encoder_out(encoder_out, torch.tensor([row]))
-            logits, _ = drafter.decoder(decoder_input.unsqueeze(0), row_encoder,
-                                        cuts=torch.tensor([[length]]))  # fmt: skip
+            source = net_input["src_tokens"][row : row + 1], net_input["src_lengths"][row : row + 1]
+            logits, _ = drafter(*source, decoder_input.unsqueeze(0), cuts=torch.tensor([[length]]))
             logits = logits[0, :, :mask].float()
             logits[:, pad] = float("-inf")
             torch.testing.assert_close(cached[i], logits.log_softmax(-1), atol=1e-5, rtol=1e-5)
-        # each row commits 1 .. k+1 new tokens (accepted drafts plus the verifier's token)
-        for row in rows.tolist():
-            n = int(torch.randint(1, k + 2, (1,), generator=generator))
+        # each row commits 1 .. k+1 new tokens (accepted drafts plus the verifier's token); the
+        # verifier scores [pending token, new tokens but the last]: the states that chose them
+        n_new = torch.randint(1, k + 2, (len(rows),), generator=generator)
+        block = torch.full((len(rows), int(n_new.max())), pad)
+        for i, row in enumerate(rows.tolist()):
+            n = int(n_new[i])
             new = torch.randint(dictionary.nspecial, len(dictionary), (n,), generator=generator)
+            block[i, 0] = tokens[row, lengths[row]]
+            block[i, 1:n] = new[:-1]
             tokens[row, lengths[row] + 1 : lengths[row] + 1 + n] = new
             lengths[row] += n
+        verifier.score_logits(verifier_state, block)
+        verifier.commit(verifier_state, None, n_new)
+        adapter.commit(state, None, n_new, verifier_state.block_states)
         if iteration == 2:
             rows = torch.tensor([0, 2])
             adapter.select_rows(state, torch.tensor([0, 2]))
+            verifier.select_rows(verifier_state, torch.tensor([0, 2]))
+
+
+def test_the_states_drafter_refuses_another_verifier_decoder(states_pair):
+    _, drafter, verifier = states_pair
+    drafter.check_verifier_matches(verifier)
+    weight = verifier.decoder.layers[-1].fc2.weight
+    kept = weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] += 0.01 * (1 + weight[0, 0].abs())
+    try:
+        with pytest.raises(SpecNmtError, match="trained on another verifier's decoder"):
+            drafter.check_verifier_matches(verifier)
+    finally:
+        with torch.no_grad():
+            weight[0, 0] = kept
+
+
+def test_verifier_states_need_the_verifier(toy, tmp_path):
+    result = train_drafter(toy["bin"], tmp_path / "d", 1, "--arch", "cached_drafter",
+                           "--verifier-states", check=False)  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
+    assert errors and "give --init-from-verifier VERIFIER.pt" in errors[0], result.stderr[-2000:]
 
 
 def test_training_without_the_verifier_is_refused_in_one_line(toy, tmp_path):

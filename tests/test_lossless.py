@@ -56,7 +56,9 @@ def stock_greedy(toy):
 
 
 @pytest.mark.parametrize("batch_size", [1, 16])
-@pytest.mark.parametrize("drafter", ["drafter", "untrained_drafter", "ar_drafter", "cached_drafter"])
+@pytest.mark.parametrize(
+    "drafter", ["drafter", "untrained_drafter", "ar_drafter", "cached_drafter", "states_drafter"]
+)
 def test_generate_is_identical_to_stock_greedy(toy, stock_greedy, drafter, batch_size):
     output = generate(toy, batch_size, drafter)
     assert len(stock_greedy[batch_size]) == TEST_LINES
@@ -67,7 +69,7 @@ def test_generate_is_identical_to_stock_greedy(toy, stock_greedy, drafter, batch
     print(f"{drafter} batch {batch_size}: mean accepted tokens per iteration {accepted}")
 
 
-@pytest.mark.parametrize("drafter", ["drafter", "cached_drafter"])
+@pytest.mark.parametrize("drafter", ["drafter", "cached_drafter", "states_drafter"])
 def test_adaptive_block_is_identical_to_stock_greedy(toy, stock_greedy, drafter):
     """Each sentence's k follows its acceptance; the output stays the verifier's greedy one."""
     output = generate(toy, 16, drafter, "--adaptive-block")

@@ -65,13 +65,16 @@ def build_pipeline(root):
     campaign_log = run(*campaign, env_update={"PATIENCE": "1000"}).stdout
     verifier = root / "campaign" / "verifier" / "checkpoint_final.pt"
     # a model directory with each drafter kind
-    for model_dir, stage in (("model", "drafter-spec"), ("cached_model", "drafter-cached")):
+    exports = (("model", "drafter-spec"), ("cached_model", "drafter-cached"),
+               ("states_model", "drafter-states"))  # fmt: skip
+    for model_dir, stage in exports:
         drafter = root / "campaign" / stage / "checkpoint_last.pt"
         run(py, "scripts/export_model.py", root / model_dir, "--verifier", verifier,
             "--drafter", drafter, "--data-bin", data_bin, "--spm-model", spm_model)  # fmt: skip
     return {"raw": raw, "data": root / "data", "campaign": root / "campaign",
             "campaign_command": campaign, "campaign_log": campaign_log, "verifier": verifier,
-            "model": root / "model", "cached_model": root / "cached_model"}
+            "model": root / "model", "cached_model": root / "cached_model",
+            "states_model": root / "states_model"}
 
 
 def test_prepared_data_keeps_valid_and_test_complete(pipeline):
@@ -160,7 +163,7 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     assert refusal in other_beam.stderr
 
 
-DRAFTER_STAGES = ("drafter-cached", "drafter-cached-1layer", "drafter-spec")
+DRAFTER_STAGES = ("drafter-states", "drafter-cached", "drafter-cached-1layer", "drafter-spec")
 
 
 def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
@@ -172,13 +175,14 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
         last_row = r"^\| \d+ \| 250 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$"  # 4 metrics
         assert re.search(last_row, curve, re.M)
         assert re.search(r"best accepted_lossless [0-9.]+ at update \d+", curve)
-        layers = torch.load(campaign / stage / "checkpoint_last.pt", weights_only=False)
-        layers = layers["cfg"]["model"].decoder_layers
-        assert layers == (1 if stage == "drafter-cached-1layer" else 2)
+        model = torch.load(campaign / stage / "checkpoint_last.pt", weights_only=False)
+        model = model["cfg"]["model"]
+        assert model.decoder_layers == (1 if stage == "drafter-cached-1layer" else 2)
+        assert getattr(model, "verifier_states", False) == (stage == "drafter-states")
     verifier = torch.load(pipeline["verifier"], weights_only=False)["cfg"]["model"]
     assert verifier.decoder_layers == VERIFIER_DECODER_LAYERS
     assert "distilling the training set in 1 shard(s)" in pipeline["campaign_log"]
-    # the bundle's candidates (both cached drafters) train before the Spec-Drafter
+    # the bundle's candidates (the cached drafters) train before the Spec-Drafter
     log = pipeline["campaign_log"]
     starts = [log.index(f"{campaign / stage}: training") for stage in DRAFTER_STAGES]
     assert starts == sorted(starts)
@@ -190,7 +194,7 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
     assert {path: path.read_bytes() for path in logs} == logs
 
 
-@pytest.mark.parametrize("model", ["model", "cached_model"])
+@pytest.mark.parametrize("model", ["model", "cached_model", "states_model"])
 def test_exported_models_are_fp16_without_optimizer_state(pipeline, model):
     model_dir = pipeline[model]
     for name in ("verifier.pt", "drafter.pt"):
@@ -206,7 +210,7 @@ def test_exported_models_are_fp16_without_optimizer_state(pipeline, model):
         assert (model_dir / name).is_file()
 
 
-@pytest.mark.parametrize("model", ["model", "cached_model"])
+@pytest.mark.parametrize("model", ["model", "cached_model", "states_model"])
 def test_make_translate_gives_greedy_output_line_by_line(pipeline, model):
     lines = [line.replace(" ", "") for line in (pipeline["raw"] / "test.de").read_text().splitlines()[:8]]
     # Words glued together exercise sentencepiece on text it must split itself; an empty line too.
@@ -305,7 +309,7 @@ def test_a_drafter_from_a_pre_norm_verifier_computes_the_verifiers_encoder(pipel
     (verifier,), _ = checkpoint_utils.load_model_ensemble([str(pipeline["verifier"])], task=task)
     assert verifier.encoder.layer_norm is not None  # pre-norm
     assert drafter.encoder.layer_norm is not None and drafter.decoder.layers[0].normalize_before
-    drafter.check_encoder_matches(verifier)
+    drafter.check_verifier_matches(verifier)
     task.load_dataset("valid")
     sources = [task.datasets["valid"][i]["source"] for i in range(8)]
     batch = data_utils.collate_tokens(sources, task.source_dictionary.pad(), left_pad=True)

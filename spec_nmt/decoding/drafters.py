@@ -24,7 +24,12 @@ from spec_nmt.decoding.tree import (
     gumbel_top_k,
     stochastic_beam_step,
 )
-from spec_nmt.decoding.verifier import TransformerVerifier, value_range
+from spec_nmt.decoding.verifier import (
+    INITIAL_CACHE_SLOTS,
+    TransformerVerifier,
+    VerifierState,
+    value_range,
+)
 from spec_nmt.models.spec_drafter import masked_input
 
 
@@ -65,6 +70,9 @@ class Drafter(Protocol):
     every method that changes it changes it in place (as the verifier's ``select_rows`` and
     ``commit`` do)."""
 
+    # whether ``commit`` needs the verifier's last-layer states at the kept entries
+    reads_verifier_states: bool
+
     def max_positions(self) -> int:
         """Decoder positions the drafter can draft at."""
 
@@ -80,10 +88,13 @@ class Drafter(Protocol):
         (``tokens[b, 0]`` is BOS; ``tokens[b, lengths[b]]`` the pending token). The loop
         changes ``tokens`` and ``lengths`` in place afterwards: keep copies, not them."""
 
-    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor,
+               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
         """Row b's verified prefix grew by the block entries ``keep[b, :n_keep[b]]`` (the
         pending token and the accepted path, in the verifier's scoring order); ``keep=None``:
-        by the first ``n_keep[b]`` entries (a chain)."""
+        by the first ``n_keep[b]`` entries (a chain). ``verifier_states`` [B, >= n_keep, C]
+        (when the drafter reads them): the verifier's last-layer states at those entries, in
+        that order, each the state that chose the token after its entry."""
 
     def select_rows(self, state, rows: Tensor) -> None:
         """Keep only ``rows`` of the batch."""
@@ -169,6 +180,8 @@ class NarDrafter:
     cached between iterations; the (deep) encoder runs once per sentence.
     """
 
+    reads_verifier_states = False
+
     def __init__(self, model, pad: int, eos: int):
         self.model = model
         self.mask = model.decoder.mask_idx
@@ -217,38 +230,58 @@ class NarDrafter:
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
         return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
 
-    def commit(self, encoder_out, keep: Optional[Tensor], n_keep: Tensor) -> None:
+    def commit(self, encoder_out, keep: Optional[Tensor], n_keep: Tensor,
+               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
         """Nothing to keep: the next pass reads the whole verified prefix again."""
 
     def select_rows(self, encoder_out: Dict, rows: Tensor) -> None:
         encoder_out.update(self.model.encoder.reorder_encoder_out(encoder_out, rows))
 
 
+@dataclass
+class CachedDrafterState:
+    """The cached drafter's per-batch state: its prefix cache (the block scorer's state) and,
+    with --verifier-states, each prefix slot's projected verifier state [B, slots, C] (slot j:
+    the input the entry of output token j gets; slot 0, BOS's, is zeros)."""
+
+    cache: VerifierState
+    prefix_input: Optional[Tensor] = None
+
+
 class CachedDrafter(NarDrafter):
     """The cached drafter (models/cached_drafter.py): a NAR drafter on the verifier's encoder
     output whose causal prefix lives in a KV cache. Each iteration feeds the tokens committed
     since the last one (causally, kept in the cache) and the k masks (seeing the prefix and each
-    other, dropped again), on the verifier's block scorer."""
+    other, dropped again), on the verifier's block scorer. With --verifier-states the committed
+    entries also get the verifier's states that ``commit`` receives."""
 
     def __init__(self, model, pad: int, eos: int):
         super().__init__(model, pad, eos)
         self.scorer = TransformerVerifier(
             model, role="the cached drafter (--drafter-path)", drafter=True
         )
+        self.state_projection = model.state_projection
+        self.reads_verifier_states = self.state_projection is not None
         self._visibility: Dict[Tuple[int, int, torch.device], Tensor] = {}
 
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict):
-        return self.scorer.start(net_input, encoder_out=verifier_encoder_out)
+        cache = self.scorer.start(net_input, encoder_out=verifier_encoder_out)
+        prefix_input = None
+        if self.reads_verifier_states:
+            batch = cache.fed_lengths.size(0)
+            weight = self.state_projection.weight
+            prefix_input = weight.new_zeros(batch, INITIAL_CACHE_SLOTS, weight.size(0))
+        return CachedDrafterState(cache, prefix_input)
 
-    def position_logits(self, state, tokens: Tensor, lengths: Tensor, k: int):
+    def position_logits(self, state: CachedDrafterState, tokens: Tensor, lengths: Tensor, k: int):
         """Float logits [B, k, V] (PAD excluded) at the k masks after each row's
         ``tokens[b, :lengths[b] + 1]``; the prefix entries not yet in the cache join it."""
-        fed = state.fed_lengths
+        fed = state.cache.fed_lengths
         n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
         fewest, width = value_range(n_new)
         order = torch.arange(width, device=tokens.device)
-        index = (fed.unsqueeze(1) + order).clamp(max=tokens.size(1) - 1)
-        new_tokens = tokens.gather(1, index)
+        slots = fed.unsqueeze(1) + order
+        new_tokens = tokens.gather(1, slots.clamp(max=tokens.size(1) - 1))
         if fewest == width:  # every row feeds as many entries (always at batch 1)
             depths = torch.arange(width + k, device=tokens.device)
             visible = self._visibility_pattern(width, k, tokens.device)
@@ -265,8 +298,16 @@ class CachedDrafter(NarDrafter):
             visible = visible & real.unsqueeze(1) & real.unsqueeze(2)
             visible |= torch.eye(width + k, dtype=torch.bool, device=tokens.device)
         block = torch.cat([new_tokens, tokens.new_full((tokens.size(0), k), self.mask)], dim=1)
-        logits = self.scorer.score_logits(state, block, depths, visible, outputs=k)
-        self.scorer.commit(state, None, n_new)
+        added = None
+        if state.prefix_input is not None:
+            prefix_input = state.prefix_input
+            index = slots.clamp(max=prefix_input.size(1) - 1).unsqueeze(2)
+            new_input = prefix_input.gather(1, index.expand(-1, -1, prefix_input.size(2)))
+            mask_input = new_input.new_zeros(tokens.size(0), k, new_input.size(2))
+            added = torch.cat([new_input, mask_input], dim=1)
+        logits = self.scorer.score_logits(state.cache, block, depths, visible, outputs=k,
+                                          added_input=added)  # fmt: skip
+        self.scorer.commit(state.cache, None, n_new)
         return self._over_verifier_vocabulary(logits)
 
     def _visibility_pattern(self, width: int, k: int, device: torch.device) -> Tensor:
@@ -279,11 +320,33 @@ class CachedDrafter(NarDrafter):
             self._visibility[key] = (causal | (column >= width).unsqueeze(1)).unsqueeze(0)
         return self._visibility[key]
 
-    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
-        """Nothing to do: the accepted tokens join the cache as prefix entries next time."""
+    def commit(self, state: CachedDrafterState, keep: Optional[Tensor], n_keep: Tensor,
+               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
+        """The accepted tokens join the cache as prefix entries next time; with
+        --verifier-states their inputs are written now, behind the fed entries (the kept
+        entries' states: the one that chose each new token)."""
+        if state.prefix_input is None:
+            return
+        if verifier_states is None:
+            raise ValueError("this cached drafter reads the verifier's states: commit needs them")
+        projected = self.state_projection(verifier_states)
+        slots = state.cache.fed_lengths.unsqueeze(1) + torch.arange(
+            projected.size(1), device=projected.device
+        )
+        needed = int(slots.max()) + 1
+        prefix_input = state.prefix_input
+        batch, capacity, channels = prefix_input.shape
+        if needed > capacity:  # grow by doubling
+            grown = prefix_input.new_zeros(batch, max(needed, 2 * capacity), channels)
+            grown[:, :capacity] = prefix_input
+            state.prefix_input = prefix_input = grown
+        # entries past n_keep write slots that the next commit overwrites before they are read
+        prefix_input.scatter_(1, slots.unsqueeze(2).expand(-1, -1, projected.size(2)), projected)
 
-    def select_rows(self, state, rows: Tensor) -> None:
-        self.scorer.select_rows(state, rows)
+    def select_rows(self, state: CachedDrafterState, rows: Tensor) -> None:
+        self.scorer.select_rows(state.cache, rows)
+        if state.prefix_input is not None:
+            state.prefix_input = state.prefix_input.index_select(0, rows)
 
 
 class ArDrafter:
@@ -291,6 +354,8 @@ class ArDrafter:
     verifier's block scorer (KV cache with tree attention). Each iteration feeds the pending
     token and then every tree level, leaves included, so that after ``commit`` its cache holds
     the whole verified prefix except the new pending token."""
+
+    reads_verifier_states = False
 
     def __init__(self, model, pad: int, eos: int):
         self.scorer = TransformerVerifier(model, role="the autoregressive drafter (--drafter-path)",
@@ -316,7 +381,8 @@ class ArDrafter:
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
         return grow_tree(plan, pending, expand, self.eos, generator)
 
-    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor,
+               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
         self.scorer.commit(state, keep, n_keep)
 
     def select_rows(self, state, rows: Tensor) -> None:

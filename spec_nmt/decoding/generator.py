@@ -215,8 +215,13 @@ class SpeculativeGenerator:
                                                   self.plan.depth)  # fmt: skip
             n_kept = (n_accepted + 1) * live
             kept = None if plan.is_chain else kept_entries  # a chain keeps its first entries
+            kept_states = None
+            if self.drafter.reads_verifier_states:
+                block_states = verifier_state.block_states  # [B, W, C]
+                index = kept_entries.unsqueeze(2).expand(-1, -1, block_states.size(2))
+                kept_states = block_states.gather(1, index)
             self.verifier.commit(verifier_state, kept, n_kept)
-            self.drafter.commit(drafter_state, kept, n_kept)
+            self.drafter.commit(drafter_state, kept, n_kept, kept_states)
             self.stats.batched_verifier_calls += 1
             ended &= live
             for i in ended.nonzero().squeeze(1).tolist():

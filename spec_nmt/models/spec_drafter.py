@@ -11,6 +11,7 @@ drafter's ids match the verifier's, which is trained on the unchanged dictionary
 import hashlib
 import logging
 from types import SimpleNamespace
+from typing import Dict
 
 import torch
 from fairseq.models import register_model, register_model_architecture
@@ -61,11 +62,16 @@ def adopt_verifier_layout(model_cfg, verifier_cfg, path, parts) -> None:
         if value is None or getattr(model_cfg, name, None) == value:
             continue
         logger.info("--init-from-verifier: %s = %s, as in %s", name, value, path)
-        if OmegaConf.is_config(model_cfg):
-            with open_dict(model_cfg):
-                model_cfg[name] = value
-        else:
-            setattr(model_cfg, name, value)
+        set_option(model_cfg, name, value)
+
+
+def set_option(model_cfg, name: str, value) -> None:
+    """Set an option of a model configuration, a hydra config or an argparse namespace."""
+    if OmegaConf.is_config(model_cfg):
+        with open_dict(model_cfg):
+            model_cfg[name] = value
+    else:
+        setattr(model_cfg, name, value)
 
 
 def dictionary_fingerprint(dictionary) -> str:
@@ -141,16 +147,29 @@ class SpecDrafterModel(TransformerModel):
     # the token embeddings and output projection), SpecDec's drafter initialisation.
     VERIFIER_PARTS = ("encoder.",)
 
+    @classmethod
+    def adopt_verifier(cls, model_cfg, verifier_cfg, path) -> None:
+        """Give the drafter configuration what it must share with the verifier whose
+        configuration is ``verifier_cfg`` (--init-from-verifier ``path``)."""
+        adopt_verifier_layout(model_cfg, verifier_cfg, path, cls.VERIFIER_PARTS)
+
     def initialize_from_verifier(self, path, checkpoint):
         """Copy the tensors named by ``VERIFIER_PARTS`` from ``checkpoint`` (the verifier's, read
         from ``path``) where the drafter has them. The drafter's dictionary is the verifier's plus
         [MASK] at the end, so vocabulary rows line up; the [MASK] row keeps its random init."""
-        verifier_state = checkpoint["model"]
+        copied = self.copy_from_verifier(path, checkpoint["model"], self.VERIFIER_PARTS)
+        if not any(name.startswith("encoder.layers.") for name in copied):
+            raise SpecNmtError(f"--init-from-verifier: {path} holds no Transformer encoder")
+        logger.info("initialised %d drafter tensors from the verifier %s", len(copied), path)
+
+    def copy_from_verifier(self, path, verifier_state, parts) -> Dict[str, torch.Tensor]:
+        """Load the tensors of ``verifier_state`` (read from ``path``) whose names start with
+        ``parts``, and the embeddings, where the drafter has them; returns what it loaded."""
         own_state = self.state_dict()
         copied = {}
         for name, value in verifier_state.items():
             is_embedding = name.endswith(("embed_tokens.weight", "output_projection.weight"))
-            if not (name.startswith(self.VERIFIER_PARTS) or is_embedding) or name not in own_state:
+            if not (name.startswith(parts) or is_embedding) or name not in own_state:
                 continue
             target = own_state[name]
             rows = value.size(0)
@@ -164,21 +183,21 @@ class SpecDrafterModel(TransformerModel):
                     f"drafter needs {tuple(target.shape)}: give the drafter the verifier's encoder "
                     "shape (--encoder-layers/--encoder-embed-dim/--encoder-ffn-embed-dim)"
                 )
-        if not any(name.startswith("encoder.layers.") for name in copied):
-            raise SpecNmtError(f"--init-from-verifier: {path} holds no Transformer encoder")
         # Depths may differ (a deeper drafter's extra layers start random, a shallower one takes
         # the first layers); any other tensor that only one side has means the copied layers
         # would compute something else (a final layer norm, embedding norm, learned positions).
         for name in sorted(verifier_state.keys() ^ own_state.keys()):
-            if name.startswith(self.VERIFIER_PARTS) and ".layers." not in name:
+            if name.startswith(parts) and ".layers." not in name:
                 side = "the verifier" if name in verifier_state else "the drafter"
                 raise SpecNmtError(
                     f"--init-from-verifier: only {side} has {name}, so the copied layers would "
                     f"compute something else than in {path}: train the drafter with the "
                     "verifier's layer-norm and position flags"
                 )
-        self.load_state_dict(copied, strict=False)
-        logger.info("initialised %d drafter tensors from the verifier %s", len(copied), path)
+        # torch's loading, not fairseq's: fairseq would first "upgrade" the parts missing from
+        # ``copied`` as if they came from an old checkpoint (version 1, final norms dropped)
+        torch.nn.Module.load_state_dict(self, copied, strict=False)
+        return copied
 
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):

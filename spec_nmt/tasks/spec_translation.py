@@ -38,7 +38,6 @@ from spec_nmt.models.cached_drafter import CachedDrafterModel
 from spec_nmt.models.spec_drafter import (
     MASK_SYMBOL,
     SpecDrafterModel,
-    adopt_verifier_layout,
     masked_input,
 )
 
@@ -184,8 +183,9 @@ class SpecTranslationTask(TranslationTask):
         if not from_checkpoint and init_path:
             verifier_state = _read_checkpoint("--init-from-verifier", init_path)
             arch = getattr(cfg, "arch", None) or getattr(cfg, "_name", None)
-            parts = getattr(ARCH_MODEL_REGISTRY.get(arch), "VERIFIER_PARTS", ())
-            adopt_verifier_layout(cfg, model_config(verifier_state), init_path, parts)
+            model_class = ARCH_MODEL_REGISTRY.get(arch)
+            if model_class is not None and issubclass(model_class, SpecDrafterModel):
+                model_class.adopt_verifier(cfg, model_config(verifier_state), init_path)
         model = super().build_model(cfg, from_checkpoint)
         if not from_checkpoint and not isinstance(model, SpecDrafterModel):
             raise SpecNmtError(
@@ -270,7 +270,7 @@ class SpecTranslationTask(TranslationTask):
                     "with --task translation)"
                 )
             if isinstance(drafter_model, CachedDrafterModel):
-                drafter_model.check_encoder_matches(verifier)
+                drafter_model.check_verifier_matches(verifier)
             self._acceptance_verifier = verifier
             rules = " and ".join(
                 f"{name} (beta {s.beta}, tau {s.tau:g})"
@@ -401,7 +401,7 @@ class SpecTranslationTask(TranslationTask):
                 )
         model = self._load_beside(path, state, verifier_model)
         if isinstance(model, CachedDrafterModel):
-            model.check_encoder_matches(verifier_model)
+            model.check_verifier_matches(verifier_model)
         if self.cfg.drafter_int8:
             model = _int8_linears(model)
         return drafter_adapter(model, self.target_dictionary)
