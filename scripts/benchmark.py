@@ -295,6 +295,8 @@ class OracleDrafter:
     next k tokens. Every draft passes the lossless rule and drafting costs next to nothing, so
     speculative decoding with it measures the ceiling of the loop itself."""
 
+    reads_verifier_states = False
+
     def __init__(self, continuations, pad: int, eos: int, max_positions: int):
         self.continuations = continuations  # source tokens (tuple) -> greedy output with EOS
         self.pad, self.eos, self._max_positions = pad, eos, max_positions
@@ -319,7 +321,7 @@ class OracleDrafter:
         index = lengths.unsqueeze(1) + torch.arange(plan.depth, device=lengths.device)
         return chain(known.gather(1, index.clamp(max=known.size(1) - 1)))
 
-    def commit(self, state, keep, n_keep):
+    def commit(self, state, keep, n_keep, verifier_states=None):
         """Nothing to keep: the drafts come from the known translation."""
 
     def select_rows(self, state, rows):

@@ -122,6 +122,8 @@ def test_the_verifier_as_its_own_drafter_gets_every_draft_accepted(toy, stock_gr
 class OracleDrafter:
     """Proposes the verifier's greedy continuation: every draft should be accepted."""
 
+    reads_verifier_states = False
+
     def __init__(self, greedy_tokens, eos):
         self.greedy = greedy_tokens  # [B, T] greedy output per sentence, EOS-padded
         self.eos = eos
@@ -144,7 +146,7 @@ class OracleDrafter:
         index = lengths.unsqueeze(1) + torch.arange(k)
         return tree.chain(padded[rows].gather(1, index))
 
-    def commit(self, state, keep, n_keep):
+    def commit(self, state, keep, n_keep, verifier_states=None):
         pass
 
     def select_rows(self, state, keep):
