@@ -10,6 +10,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.drafters import CachedDrafter
+from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
@@ -115,12 +116,13 @@ def test_cached_iterations_equal_full_recomputation(pair_name, request):
     state = adapter.start(net_input, encoder_out)
     verifier_state = verifier.start(net_input, encoder_out)
     generator = torch.Generator().manual_seed(3)
-    tokens = torch.full((3, 60), pad)
+    tokens = torch.full((3, 160), pad)
     tokens[:, 0] = eos
     lengths = torch.zeros(3, dtype=torch.long)
     rows = torch.arange(3)
     k = BLOCK_SIZE
-    for iteration in range(6):
+    # 12 iterations: the states buffer outgrows its first 64 slots
+    for iteration in range(12):
         cached = adapter.position_logits(state, tokens[rows], lengths[rows], k).log_softmax(-1)
         for i, row in enumerate(rows.tolist()):
             length = int(lengths[row])
@@ -130,15 +132,26 @@ def test_cached_iterations_equal_full_recomputation(pair_name, request):
             logits = logits[0, :, :mask].float()
             logits[:, pad] = float("-inf")
             torch.testing.assert_close(cached[i], logits.log_softmax(-1), atol=1e-5, rtol=1e-5)
-        # each row commits 1 .. k+1 new tokens (accepted drafts plus the verifier's token); the
-        # verifier scores [pending token, new tokens but the last]: the states that chose them
-        n_new = torch.randint(1, k + 2, (len(rows),), generator=generator)
-        block = torch.full((len(rows), int(n_new.max())), pad)
+            if reads_states and iteration == 3:  # the states shifted by one entry differ
+                encoded = drafter.encoder(*source)
+                states = drafter.verifier_states(decoder_input.unsqueeze(0), encoded)
+                shifted = drafter.state_projection(torch.cat([states[:, 1:], states[:, -1:]], 1))
+                wrong, _ = drafter.decoder(decoder_input.unsqueeze(0), encoded,
+                                           cuts=torch.tensor([[length]]), prefix_input=shifted)
+                wrong = wrong[0, :, :mask].float()
+                wrong[:, pad] = float("-inf")
+                difference = (cached[i] - wrong.log_softmax(-1)).nan_to_num()  # PAD: -inf - -inf
+                assert difference.abs().max() > 1e-3
+        # each row commits 0 .. k+1 new tokens (accepted drafts plus the verifier's token; 0: a
+        # finished row the loop still carries); the verifier scores [pending token, new tokens
+        # but the last]: the states that chose them
+        n_new = torch.randint(0, k + 2, (len(rows),), generator=generator)
+        block = torch.full((len(rows), max(int(n_new.max()), 1)), pad)
         for i, row in enumerate(rows.tolist()):
             n = int(n_new[i])
             new = torch.randint(dictionary.nspecial, len(dictionary), (n,), generator=generator)
             block[i, 0] = tokens[row, lengths[row]]
-            block[i, 1:n] = new[:-1]
+            block[i, 1:n] = new[: n - 1]
             tokens[row, lengths[row] + 1 : lengths[row] + 1 + n] = new
             lengths[row] += n
         verifier.score_logits(verifier_state, block)
@@ -169,7 +182,41 @@ def test_verifier_states_need_the_verifier(toy, tmp_path):
     result = train_drafter(toy["bin"], tmp_path / "d", 1, "--arch", "cached_drafter",
                            "--verifier-states", check=False)  # fmt: skip
     errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
-    assert errors and "give --init-from-verifier VERIFIER.pt" in errors[0], result.stderr[-2000:]
+    refusal = "--verifier-states trains with the verifier's decoder"
+    assert errors and refusal in errors[0], result.stderr[-2000:]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("verify", ["top_beta", "rsd"])
+def test_decoding_hands_the_drafter_the_states_that_chose_each_token(states_pair, verify):
+    """Through the decoding loop (a chain, and a draft tree whose kept entries are not the first
+    ones): the drafter's input for each output token is the projected state its training forward
+    computes for it, the verifier's state before that token."""
+    task, drafter, verifier_model = states_pair
+    dictionary = task.target_dictionary
+    pad, eos = dictionary.pad(), dictionary.eos()
+    adapter = CachedDrafter(drafter, pad=pad, eos=eos)
+    states = []
+    start = adapter.start
+    adapter.start = lambda *args: states.append(start(*args)) or states[-1]
+    settings = DEFAULTS.replace(block_size=BLOCK_SIZE, verify=verify,
+                                tree_branching="2,2,1" if verify == "rsd" else None)  # fmt: skip
+    generator = SpeculativeGenerator(TransformerVerifier(verifier_model), adapter, dictionary,
+                                     settings)  # fmt: skip
+    trees = 0
+    for source in ([9, 10, 11, 12, eos], [13, 14, 15, eos], [16, 17, 18, 19, 20, 21, eos]):
+        src = torch.tensor([source])
+        sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([len(source)])}}
+        trace = []
+        output = generator.generate([verifier_model], sample, trace=trace)[0][0]["tokens"]
+        trees += sum(any(a != i for i, a in enumerate(r.accepted_path)) for r in trace)
+        decoder_input = torch.cat([torch.tensor([eos]), output]).unsqueeze(0)
+        encoded = drafter.encoder(src, sample["net_input"]["src_lengths"])
+        expected = drafter.state_projection(drafter.verifier_states(decoder_input, encoded))
+        written = states[-1].prefix_input[:, : decoder_input.size(1)]
+        torch.testing.assert_close(written, expected, atol=1e-5, rtol=1e-5)
+    if verify == "rsd":  # some kept entries were not the block's first ones
+        assert trees > 0
 
 
 def test_training_without_the_verifier_is_refused_in_one_line(toy, tmp_path):

@@ -76,7 +76,7 @@ def test_adaptive_block_is_identical_to_stock_greedy(toy, stock_greedy, drafter)
     assert hypotheses(output) == stock_greedy[16]
 
 
-@pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter"])
+@pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter", "states_drafter"])
 def test_int8_drafter_keeps_lossless_decoding_lossless(toy, stock_greedy, drafter):
     """--drafter-int8 changes the drafts only: the verifier still decides every token, and each
     kind of drafter keeps its own adapter (its acceptance stays that of a trained drafter)."""

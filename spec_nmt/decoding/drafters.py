@@ -302,9 +302,7 @@ class CachedDrafter(NarDrafter):
         if state.prefix_input is not None:
             prefix_input = state.prefix_input
             index = slots.clamp(max=prefix_input.size(1) - 1).unsqueeze(2)
-            new_input = prefix_input.gather(1, index.expand(-1, -1, prefix_input.size(2)))
-            mask_input = new_input.new_zeros(tokens.size(0), k, new_input.size(2))
-            added = torch.cat([new_input, mask_input], dim=1)
+            added = prefix_input.gather(1, index.expand(-1, -1, prefix_input.size(2)))
         logits = self.scorer.score_logits(state.cache, block, depths, visible, outputs=k,
                                           added_input=added)  # fmt: skip
         self.scorer.commit(state.cache, None, n_new)

@@ -119,7 +119,7 @@ class TransformerVerifier:
         depths: Optional[Tensor] = None,  # [W] or [B, W]; default 0 .. W-1
         visible: Optional[Tensor] = None,  # [B or 1, W, U+W] bool over uncommitted entries
         outputs: Optional[int] = None,  # logits for the last ``outputs`` entries only
-        added_input: Optional[Tensor] = None,  # [B, W, C] added to the block's embeddings
+        added_input: Optional[Tensor] = None,  # [B, N, C] added to the first N embeddings
     ) -> Tensor:
         """Float logits [B, W, V] (temperature applied) of the next token after each of the W
         block inputs (or the last ``outputs`` of them): a fresh tensor the caller may change

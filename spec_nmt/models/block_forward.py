@@ -96,8 +96,9 @@ def embed(decoder, tokens: Tensor, positions: Tensor, table: Optional[Tensor] = 
           added: Optional[Tensor] = None) -> Tensor:  # fmt: skip
     """Decoder input [W, B, C] for tokens [B, W] at 0-based positions [B, W] (or [W]).
     ``table`` is a position table built earlier (decoding); without it one is built now, so
-    learned positions get their gradient (training). ``added`` [B, W, C] joins the token and
-    position embeddings (the cached drafter's projected verifier states)."""
+    learned positions get their gradient (training). ``added`` [B, N, C] joins the token and
+    position embeddings of the first N entries (the cached drafter's projected verifier states
+    for its prefix entries)."""
     x = decoder.embed_scale * decoder.embed_tokens(tokens)
     if decoder.quant_noise is not None:
         x = decoder.quant_noise(x)
@@ -109,7 +110,8 @@ def embed(decoder, tokens: Tensor, positions: Tensor, table: Optional[Tensor] = 
         # Positions past the limit are clamped: they only occur after a forced EOS.
         x = x + table[positions.clamp(max=table.size(0) - 1)]
     if added is not None:
-        x = x + added
+        prefix = added.size(1)
+        x = torch.cat([x[:, :prefix] + added, x[:, prefix:]], dim=1)
     if decoder.layernorm_embedding is not None:
         x = decoder.layernorm_embedding(x)
     return decoder.dropout_module(x).transpose(0, 1)

@@ -77,18 +77,14 @@ class CachedDrafterDecoder(TransformerDecoderBase):
         (--verifier-states). Returns (logits [B*M, k, V] at the masks, extra)."""
         if cuts is None:
             raise ValueError("the cached drafter's decoder needs the cut points of its mask blocks")
-        batch, blocks = cuts.shape
+        blocks = cuts.size(1)
         masks = int(prev_output_tokens[0].eq(self.mask_idx).sum())
         if masks == 0 or masks % blocks:
             raise ValueError(f"{masks} masks per row do not make {blocks} blocks")
         block_size = masks // blocks
         prefix_width = prev_output_tokens.size(1) - masks
         positions = cut_positions(prefix_width, cuts, block_size)
-        added = None
-        if prefix_input is not None:
-            mask_input = prefix_input.new_zeros(batch, masks, prefix_input.size(2))
-            added = torch.cat([prefix_input, mask_input], dim=1)
-        x = block_forward.embed(self, prev_output_tokens, positions, added=added)
+        x = block_forward.embed(self, prev_output_tokens, positions, added=prefix_input)
         bias = block_forward.additive_mask(cut_visibility(prefix_width, cuts, block_size), x.dtype)
 
         def self_attention(_layer: int):
@@ -103,11 +99,11 @@ class CachedDrafterDecoder(TransformerDecoderBase):
         keys, values, encoder_bias = block_forward.encoder_keys_values(self, encoder_out)
         features = block_forward.layers(self, x, self_attention, keys, values, encoder_bias)
         logits = self.output_layer(features[:, prefix_width:])
-        return logits.reshape(batch * blocks, block_size, -1), {}
+        return logits.reshape(-1, block_size, logits.size(-1)), {}
 
 
 def same_weights(ours: Tensor, theirs: Tensor) -> bool:
-    """Whether two copies of an encoder tensor are the same weights: equal, or one of them is
+    """Whether two copies of a verifier tensor are the same weights: equal, or one of them is
     the other rounded to fp16 (export_model.py stores fp16: a drafter trained on the fp32
     checkpoint meets its verifier from a model directory, or the other way round)."""
     theirs = theirs.to(ours.device)
@@ -148,8 +144,8 @@ class CachedDrafterModel(SpecDrafterModel):
             "--verifier-decoder-layers",
             type=int,
             metavar="N",
-            help="set automatically by --init-from-verifier: the verifier's decoder depth, "
-            "for the copy --verifier-states trains with",
+            help="set automatically by --init-from-verifier (for every cached drafter): the "
+            "verifier's decoder depth, for the copy --verifier-states trains with",
         )
 
     @classmethod
@@ -168,19 +164,22 @@ class CachedDrafterModel(SpecDrafterModel):
         # now, not after hours of training
         block_forward.check_supported(model.decoder, "the cached drafter")
         if getattr(args, "verifier_states", False):
-            model.verifier_decoder = cls.build_verifier_decoder(args, model.decoder.dictionary)
+            model.verifier_decoder = CachedDrafterModel.build_verifier_decoder(
+                args, model.decoder.dictionary
+            )
             projection = torch.nn.Linear(model.verifier_decoder.output_embed_dim,
                                          model.decoder.embed_dim, bias=False)  # fmt: skip
             torch.nn.init.zeros_(projection.weight)  # it starts as a drafter without states
             model.state_projection = projection
-        for frozen in (model.encoder, model.verifier_decoder):
-            for parameter in frozen.parameters() if frozen is not None else ():
+        for frozen in filter(None, (model.encoder, model.verifier_decoder)):
+            for parameter in frozen.parameters():
                 parameter.requires_grad_(False)
         return model
 
-    @classmethod
-    def build_verifier_decoder(cls, args, dictionary) -> TransformerDecoderBase:
-        """The verifier's decoder shape, with token embeddings of its own."""
+    @staticmethod
+    def build_verifier_decoder(args, dictionary) -> TransformerDecoderBase:
+        """The verifier's decoder (its depth; the drafter's options, which took the verifier's
+        layout from --init-from-verifier), with tied token embeddings of its own."""
         layers = getattr(args, "verifier_decoder_layers", None)
         if layers is None:
             raise SpecNmtError(
@@ -213,6 +212,10 @@ class CachedDrafterModel(SpecDrafterModel):
         if missing:
             name = missing[0][len("verifier_") :]
             raise SpecNmtError(f"--init-from-verifier: {path} has no {name}")
+        # the copy ties its output projection to its embeddings and reads only its states: the
+        # embeddings must win, also over a verifier's untied output projection
+        embeddings = decoder["verifier_decoder.embed_tokens.weight"]
+        decoder["verifier_decoder.output_projection.weight"] = embeddings
         self.copy_from_verifier(path, decoder, ("verifier_decoder.",))
 
     def train(self, mode: bool = True):

@@ -45,9 +45,10 @@ def masked_input(tokens: torch.Tensor, prefix_ends: torch.Tensor, k: int, mask: 
 # started from a verifier takes the verifier's values for the parts it copies, so that the copied
 # encoder (and a cached drafter's decoder layers) compute what they computed in the verifier.
 VERIFIER_LAYOUT = {
-    "encoder.": ("encoder_normalize_before", "encoder_learned_pos", "max_source_positions"),
+    "encoder.": ("encoder_normalize_before", "encoder_learned_pos", "max_source_positions",
+                 "encoder_attention_heads"),
     "decoder.": ("decoder_normalize_before", "no_decoder_final_norm", "decoder_learned_pos",
-                 "max_target_positions"),
+                 "max_target_positions", "decoder_attention_heads"),
     "": ("layernorm_embedding", "no_scale_embedding", "no_token_positional_embeddings",
          "activation_fn"),
 }  # fmt: skip
@@ -178,10 +179,11 @@ class SpecDrafterModel(TransformerModel):
             elif target.shape == value.shape:
                 copied[name] = value.to(target.dtype)
             else:
+                side = "decoder" if "decoder." in name else "encoder"
                 raise SpecNmtError(
                     f"--init-from-verifier: {path} has {name} of shape {tuple(value.shape)}, the "
-                    f"drafter needs {tuple(target.shape)}: give the drafter the verifier's encoder "
-                    "shape (--encoder-layers/--encoder-embed-dim/--encoder-ffn-embed-dim)"
+                    f"drafter needs {tuple(target.shape)}: give the drafter the verifier's {side} "
+                    f"shape (--{side}-embed-dim/--{side}-ffn-embed-dim)"
                 )
         # Depths may differ (a deeper drafter's extra layers start random, a shallower one takes
         # the first layers); any other tensor that only one side has means the copied layers

@@ -402,6 +402,8 @@ class SpecTranslationTask(TranslationTask):
         model = self._load_beside(path, state, verifier_model)
         if isinstance(model, CachedDrafterModel):
             model.check_verifier_matches(verifier_model)
+            # its copy of the verifier's decoder only trains: decoding reads the verifier's states
+            model.verifier_decoder = None
         if self.cfg.drafter_int8:
             model = _int8_linears(model)
         return drafter_adapter(model, self.target_dictionary)
