@@ -1,7 +1,7 @@
 """The whole recipe on the toy corpus, through the real scripts: raw text -> sentencepiece +
 fairseq-preprocess -> scripts/campaign.sh (verifier, its averaged final model, distillation, the
-cached drafters with the verifier's states (2 and 1 layers), the Spec-Drafter and the cached
-drafter without states, all started from the verifier) -> compact model directory ->
+cached drafters (2 and 1 layers), the Spec-Drafter and the cached drafter with the verifier's
+states, all started from the verifier) -> compact model directory ->
 `make translate` and scripts/benchmark.py."""
 
 import io
@@ -163,7 +163,7 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     assert refusal in other_beam.stderr
 
 
-DRAFTER_STAGES = ("drafter-states", "drafter-states-1layer", "drafter-spec", "drafter-cached")
+DRAFTER_STAGES = ("drafter-cached", "drafter-cached-1layer", "drafter-spec", "drafter-states")
 
 
 def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
@@ -178,11 +178,11 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
         model = torch.load(campaign / stage / "checkpoint_last.pt", weights_only=False)
         model = model["cfg"]["model"]
         assert model.decoder_layers == (1 if stage.endswith("1layer") else 2)
-        assert getattr(model, "verifier_states", False) == stage.startswith("drafter-states")
+        assert getattr(model, "verifier_states", False) == (stage == "drafter-states")
     verifier = torch.load(pipeline["verifier"], weights_only=False)["cfg"]["model"]
     assert verifier.decoder_layers == VERIFIER_DECODER_LAYERS
     assert "distilling the training set in 1 shard(s)" in pipeline["campaign_log"]
-    # the bundle's candidates (the cached drafters with states) train first
+    # the bundle's candidates (the cached drafters without states) train first
     log = pipeline["campaign_log"]
     starts = [log.index(f"{campaign / stage}: training") for stage in DRAFTER_STAGES]
     assert starts == sorted(starts)
