@@ -12,7 +12,7 @@ from fairseq import checkpoint_utils
 from spec_nmt.decoding.drafters import CachedDrafter
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.settings import DEFAULTS
-from spec_nmt.decoding.verifier import TransformerVerifier
+from spec_nmt.decoding.verifier import INITIAL_CACHE_SLOTS, TransformerVerifier
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import cut_visibility
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
@@ -116,13 +116,13 @@ def test_cached_iterations_equal_full_recomputation(pair_name, request):
     state = adapter.start(net_input, encoder_out)
     verifier_state = verifier.start(net_input, encoder_out)
     generator = torch.Generator().manual_seed(3)
-    tokens = torch.full((3, 160), pad)
+    tokens = torch.full((3, 200), pad)
     tokens[:, 0] = eos
     lengths = torch.zeros(3, dtype=torch.long)
     rows = torch.arange(3)
     k = BLOCK_SIZE
-    # 12 iterations: the states buffer outgrows its first 64 slots
-    for iteration in range(12):
+    # 16 iterations: the cache and the states buffer outgrow their first slots
+    for iteration in range(16):
         cached = adapter.position_logits(state, tokens[rows], lengths[rows], k).log_softmax(-1)
         for i, row in enumerate(rows.tolist()):
             length = int(lengths[row])
@@ -161,6 +161,8 @@ def test_cached_iterations_equal_full_recomputation(pair_name, request):
             rows = torch.tensor([0, 2])
             adapter.select_rows(state, torch.tensor([0, 2]))
             verifier.select_rows(verifier_state, torch.tensor([0, 2]))
+    if reads_states:
+        assert state.prefix_input.size(1) > 2 * INITIAL_CACHE_SLOTS  # it grew
 
 
 def test_the_states_drafter_refuses_another_verifier_decoder(states_pair):

@@ -270,7 +270,8 @@ class CachedDrafter(NarDrafter):
         if self.reads_verifier_states:
             batch = cache.fed_lengths.size(0)
             weight = self.state_projection.weight
-            prefix_input = weight.new_zeros(batch, INITIAL_CACHE_SLOTS, weight.size(0))
+            # room for the cache's first slots and a block behind them (see commit)
+            prefix_input = weight.new_zeros(batch, 2 * INITIAL_CACHE_SLOTS, weight.size(0))
         return CachedDrafterState(cache, prefix_input)
 
     def position_logits(self, state: CachedDrafterState, tokens: Tensor, lengths: Tensor, k: int):
@@ -331,7 +332,8 @@ class CachedDrafter(NarDrafter):
         slots = state.cache.fed_lengths.unsqueeze(1) + torch.arange(
             projected.size(1), device=projected.device
         )
-        needed = int(slots.max()) + 1
+        # a bound known without reading the device: every row's fed entries fit in its cache
+        needed = state.cache.capacity + projected.size(1)
         prefix_input = state.prefix_input
         batch, capacity, channels = prefix_input.shape
         if needed > capacity:  # grow by doubling
