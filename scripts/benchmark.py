@@ -67,7 +67,7 @@ import spec_nmt  # noqa: F401  (registers the task and model, allows loading fai
 from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.tree import chain
-from spec_nmt.decoding.settings import DEFAULTS
+from spec_nmt.decoding.settings import DEFAULTS, REFERENCE_TOP_BETA
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
@@ -700,8 +700,8 @@ def main():
                         help="sweep: explicit k:beta:tau list instead of the product, e.g. 5:1:0,10:3:1")
     parser.add_argument("--lossless-block", type=int, default=DEFAULTS.block_size, help="run: k of the lossless system")
     parser.add_argument("--block", type=int, default=DEFAULTS.block_size, help="run: k of the top-beta/tau system")
-    parser.add_argument("--beta", type=int, default=3, help="run: beta of the top-beta/tau system")
-    parser.add_argument("--tau", type=float, default=1.0, help="run: tau of the top-beta/tau system")
+    parser.add_argument("--beta", type=int, default=REFERENCE_TOP_BETA.beta, help="run: beta of the top-beta/tau system")
+    parser.add_argument("--tau", type=float, default=REFERENCE_TOP_BETA.tau, help="run: tau of the top-beta/tau system")
     parser.add_argument("--output-dir", default=None, help="run: write each system's translations here")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
     parser.add_argument("--drafter", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")

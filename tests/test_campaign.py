@@ -36,11 +36,11 @@ def waiting(tmp_path):
     return f"echo $$ > {tmp_path}/pid; sleep 300 & echo $! > {tmp_path}/worker; wait"
 
 
-def campaign(tmp_path, bin_dir, patience="3"):
+def campaign(tmp_path, bin_dir, patience="3", comparison_epochs="10"):
     """The campaign on empty data paths (the stand-in reads nothing) under tmp_path/work, with
     SIGINT handled as a terminal would (a test runner started in the background ignores it)."""
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
-               PATIENCE=patience)  # fmt: skip
+               PATIENCE=patience, COMPARISON_EPOCHS=comparison_epochs)  # fmt: skip
     command = ["scripts/campaign.sh", tmp_path / "bin", tmp_path / "spm.model", tmp_path / "raw",
                tmp_path / "work"]  # fmt: skip
     return subprocess.Popen(
@@ -127,6 +127,9 @@ def test_a_crash_before_convergence_stops_the_campaign_and_the_stage_stays_unfin
     refused = campaign(tmp_path, bin_dir, patience="three")
     _, err = finish(refused, 60)
     assert refused.returncode == 2 and "PATIENCE must be a number, got three" in err
+    refused = campaign(tmp_path, bin_dir, comparison_epochs="0")
+    _, err = finish(refused, 60)
+    assert refused.returncode == 2 and "COMPARISON_EPOCHS must be a positive number, got 0" in err
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

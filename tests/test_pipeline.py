@@ -1,7 +1,7 @@
 """The whole recipe on the toy corpus, through the real scripts: raw text -> sentencepiece +
 fairseq-preprocess -> scripts/campaign.sh (verifier, its averaged final model, distillation, the
-cached drafters (2 and 1 layers), the Spec-Drafter and the cached drafter with the verifier's
-states, all started from the verifier) -> compact model directory ->
+cached drafter, then for comparison the Spec-Drafter, the 1-layer cached drafter and the cached
+drafter with the verifier's states, all started from the verifier) -> compact model directory ->
 `make translate` and scripts/benchmark.py."""
 
 import io
@@ -41,8 +41,9 @@ def run(*command, env_update=None, **kwargs):
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    """scripts/campaign.sh on the toy corpus, every stage 250 updates (PATIENCE keeps the toy
-    runs from stopping at a plateau, so every stage ends at the same update), then the export."""
+    """scripts/campaign.sh on the toy corpus, the verifier and the cached drafter 250 updates,
+    the comparison drafters COMPARISON_EPOCHS (PATIENCE keeps the toy runs from stopping at a
+    plateau, so every stage ends where its limit is), then the export."""
     return built_once(tmp_path_factory, "pipeline", build_pipeline)
 
 
@@ -51,6 +52,9 @@ LENGTH_FLAGS = DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"])
 
 # the verifier's decoder depth, which the campaign's drafters (2, 1 and 2 layers) do not take
 VERIFIER_DECODER_LAYERS = 3
+# the comparison drafters' epochs (about 28 updates each on the toy corpus): fewer than 250
+# updates, and a multiple of --validate-interval, so that the last epoch is validated
+COMPARISON_EPOCHS = 5
 
 
 def build_pipeline(root):
@@ -62,7 +66,8 @@ def build_pipeline(root):
                 *TINY_TRANSFORMER, *TINY_OVERRIDES, "--max-update", 250,
                 "--save-interval-updates", 50, "--validate-interval", 5,
                 "--decoder-layers", VERIFIER_DECODER_LAYERS]  # fmt: skip
-    campaign_log = run(*campaign, env_update={"PATIENCE": "1000"}).stdout
+    limits = {"PATIENCE": "1000", "COMPARISON_EPOCHS": str(COMPARISON_EPOCHS)}
+    campaign_log = run(*campaign, env_update=limits).stdout
     verifier = root / "campaign" / "verifier" / "checkpoint_final.pt"
     # a model directory with each drafter kind
     exports = (("model", "drafter-spec"), ("cached_model", "drafter-cached"),
@@ -163,7 +168,7 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     assert refusal in other_beam.stderr
 
 
-DRAFTER_STAGES = ("drafter-cached", "drafter-cached-1layer", "drafter-spec", "drafter-states")
+DRAFTER_STAGES = ("drafter-cached", "drafter-spec", "drafter-cached-1layer", "drafter-states")
 
 
 def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
@@ -172,8 +177,10 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
         log = (campaign / stage / "train.log").read_text()
         assert "initialised" in log and "from the verifier" in log  # started from checkpoint_final
         curve = (campaign / stage / "FINISHED").read_text()  # its learning curve
-        last_row = r"^\| \d+ \| 250 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$"  # 4 metrics
-        assert re.search(last_row, curve, re.M)
+        # the first drafter to its --max-update, the comparisons to their epoch limit
+        last = r"\d+ \| 250" if stage == "drafter-cached" else rf"{COMPARISON_EPOCHS} \| \d+"
+        last_row = rf"^\| {last} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|\Z"  # 4 metrics
+        assert re.search(last_row, curve.split("\n\n")[0].strip(), re.M), curve
         assert re.search(r"best accepted_lossless [0-9.]+ at update \d+", curve)
         model = torch.load(campaign / stage / "checkpoint_last.pt", weights_only=False)
         model = model["cfg"]["model"]
@@ -182,7 +189,7 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
     verifier = torch.load(pipeline["verifier"], weights_only=False)["cfg"]["model"]
     assert verifier.decoder_layers == VERIFIER_DECODER_LAYERS
     assert "distilling the training set in 1 shard(s)" in pipeline["campaign_log"]
-    # the bundle's candidates (the cached drafters without states) train first
+    # the bundle's drafter first, then the comparisons
     log = pipeline["campaign_log"]
     starts = [log.index(f"{campaign / stage}: training") for stage in DRAFTER_STAGES]
     assert starts == sorted(starts)
@@ -283,7 +290,7 @@ def test_benchmark_block_cost_mode_times_every_width_and_batch(pipeline, tmp_pat
 
 def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     out = tmp_path / "bench.json"
-    run(sys.executable, "scripts/benchmark.py", "run", pipeline["model"],
+    run(sys.executable, "scripts/benchmark.py", "run", pipeline["cached_model"],
         "--src", pipeline["raw"] / "test.de", "--ref", pipeline["raw"] / "test.en", "--lines", 20,
         "--batch-size", 8, "--latency-lines", 4, "--warmup-lines", 1, "--lossless-block", 5,
         "--block", 5, "--beta", 3, "--tau", 1.0, "--json", out)  # fmt: skip

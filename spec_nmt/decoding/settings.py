@@ -120,6 +120,9 @@ def names() -> List[str]:
 
 
 DEFAULTS = DecodingSettings()
+# The relaxed top-beta/tau setting that the acceptance targets quote: drafters are validated and
+# benchmarked with it beside the lossless rule.
+REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
 # the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
 RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
                  "adaptive_block")  # fmt: skip
