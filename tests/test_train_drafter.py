@@ -8,8 +8,10 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from omegaconf import OmegaConf
 
+from spec_nmt.criterions.spec_drafter_loss import SpecDrafterLoss
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, adopt_verifier_layout
 from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
@@ -115,3 +117,36 @@ def test_verifier_layout_is_adopted_for_the_copied_parts_in_namespace_and_hydra_
         assert getattr(drafter, "decoder_normalize_before", None) is None  # not copied
     adopt_verifier_layout(hydra, verifier, "verifier.pt", ("encoder.", "decoder."))
     assert hydra.decoder_normalize_before is True
+
+
+@pytest.mark.parametrize("drafter_name", ["drafter", "cached_drafter"])
+def test_the_loss_scores_only_the_labelled_masks_and_equals_scoring_all(toy, drafter_name):
+    """The criterion has the model score only masks with a label; its loss, accuracy and
+    leading-run counts equal those from every mask's logits."""
+    (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(toy[drafter_name])], arg_overrides={"data": str(toy["bin"])}
+    )
+    drafter.eval()
+    task.load_dataset("valid")
+    dataset = task.dataset("valid")
+    sample = dataset.collater([dataset[i] for i in range(16)])
+    batch = task.drafter_sample(sample, drafter, torch.Generator().manual_seed(0))
+    pad = task.target_dictionary.pad()
+    target = batch["target"]
+    assert target.eq(pad).any() and target.ne(pad).any()  # masks past an EOS: some are skipped
+    criterion = SpecDrafterLoss(task, label_smoothing=0.1, report_first_n=BLOCK_SIZE)
+    with torch.no_grad():
+        loss, sample_size, logged = criterion(drafter, batch)
+        scored, _ = drafter(**batch["net_input"], scored=target.ne(pad))
+        every, _ = drafter(**batch["net_input"])  # [rows, k, V]
+    assert scored.shape == (int(target.ne(pad).sum()), every.size(-1))
+    lprobs = torch.log_softmax(every.float(), dim=-1)
+    expected, _ = label_smoothed_nll_loss(lprobs.view(-1, lprobs.size(-1)), target.view(-1), 0.1,
+                                          ignore_index=pad)  # fmt: skip
+    torch.testing.assert_close(loss, expected)
+    assert sample_size == batch["ntokens"] == int(target.ne(pad).sum())
+    right = lprobs.argmax(dim=-1).eq(target)
+    assert logged["n_correct"] == int((right & target.ne(pad)).sum())
+    leading = (right | target.eq(pad)).long().cumprod(dim=1)
+    for n in range(1, BLOCK_SIZE + 1):
+        assert logged[f"first{n}_count"] == int(leading[:, n - 1].sum())

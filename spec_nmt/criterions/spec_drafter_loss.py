@@ -9,6 +9,7 @@ first n drafted tokens are all right; positions past the end of the target count
 import math
 from dataclasses import dataclass, field
 
+import torch
 from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
@@ -33,19 +34,19 @@ class SpecDrafterLoss(FairseqCriterion):
         self.report_first_n = report_first_n
 
     def forward(self, model, sample, reduce=True):
-        logits, extra = model(**sample["net_input"])  # [B, k, V]
-        lprobs = model.get_normalized_probs((logits, extra), log_probs=True)
+        """The loss over the masks that have a label; the model scores only those (logits
+        [n, V]): masks past the target's EOS would cost output-layer time for nothing."""
         target = sample["target"]  # [B, k]
+        is_label = target.ne(self.padding_idx)
+        logits, extra = model(**sample["net_input"], scored=is_label)
+        lprobs = model.get_normalized_probs((logits, extra), log_probs=True)
+        labels = target[is_label]
         loss, nll_loss = label_smoothed_nll_loss(
-            lprobs.reshape(-1, lprobs.size(-1)),
-            target.reshape(-1),
-            self.eps,
-            ignore_index=self.padding_idx,
-            reduce=reduce,
+            lprobs, labels, self.eps, ignore_index=self.padding_idx, reduce=reduce
         )
         sample_size = sample["ntokens"]
-        is_label = target.ne(self.padding_idx)
-        right = lprobs.argmax(dim=-1).eq(target)
+        right = torch.zeros_like(is_label)
+        right[is_label] = lprobs.argmax(dim=-1).eq(labels)
         leading = (right | ~is_label).long().cumprod(dim=1)  # 1 while every token so far is right
         logging_output = {
             "loss": loss.data,

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models import block_forward
-from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel, set_option
+from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel, score_masks, set_option
 
 
 def cut_visibility(prefix_width: int, cuts: Tensor, block_size: int) -> Tensor:
@@ -71,10 +71,11 @@ class CachedDrafterDecoder(TransformerDecoderBase):
         self.mask_idx = dictionary.index(MASK_SYMBOL)
 
     def forward(self, prev_output_tokens, encoder_out=None, cuts=None, prefix_input=None,
-                **unused):  # fmt: skip
+                scored=None, **unused):  # fmt: skip
         """prev_output_tokens [B, P + M*k]: BOS + target prefix (right-padded), then M blocks of
         k masks; cuts [B, M]; prefix_input [B, P, C]: added to the prefix entries' embeddings
-        (--verifier-states). Returns (logits [B*M, k, V] at the masks, extra)."""
+        (--verifier-states). Returns (logits [B*M, k, V] at the masks, extra); with ``scored``
+        [B*M, k] bool, logits [n, V] of the n masks it marks only."""
         if cuts is None:
             raise ValueError("the cached drafter's decoder needs the cut points of its mask blocks")
         blocks = cuts.size(1)
@@ -98,8 +99,8 @@ class CachedDrafterDecoder(TransformerDecoderBase):
 
         keys, values, encoder_bias = block_forward.encoder_keys_values(self, encoder_out)
         features = block_forward.layers(self, x, self_attention, keys, values, encoder_bias)
-        logits = self.output_layer(features[:, prefix_width:])
-        return logits.reshape(-1, block_size, logits.size(-1)), {}
+        block_features = features[:, prefix_width:].reshape(-1, block_size, features.size(-1))
+        return score_masks(self, block_features, scored), {}
 
 
 def same_weights(ours: Tensor, theirs: Tensor) -> bool:
@@ -225,14 +226,16 @@ class CachedDrafterModel(SpecDrafterModel):
             self.verifier_decoder.eval()
         return self
 
-    def forward(self, src_tokens, src_lengths, prev_output_tokens, cuts=None, **unused):
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, cuts=None, scored=None,
+                **unused):  # fmt: skip
         states = None
         with torch.no_grad():
             encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
             if self.verifier_decoder is not None:
                 states = self.verifier_states(prev_output_tokens, encoder_out)
         prefix_input = None if states is None else self.state_projection(states)
-        return self.decoder(prev_output_tokens, encoder_out, cuts=cuts, prefix_input=prefix_input)
+        return self.decoder(prev_output_tokens, encoder_out, cuts=cuts, prefix_input=prefix_input,
+                            scored=scored)  # fmt: skip
 
     def verifier_states(self, prev_output_tokens: Tensor, encoder_out) -> Tensor:
         """[B, P, C] for the P prefix entries of a training input (BOS + target, before the

@@ -11,7 +11,7 @@ drafter's ids match the verifier's, which is trained on the unchanged dictionary
 import hashlib
 import logging
 from types import SimpleNamespace
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from fairseq.models import register_model, register_model_architecture
@@ -89,9 +89,10 @@ class SpecDrafterDecoder(TransformerDecoderBase):
             raise ValueError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
         self.mask_idx = dictionary.index(MASK_SYMBOL)
 
-    def forward(self, prev_output_tokens, encoder_out=None, **unused):
+    def forward(self, prev_output_tokens, encoder_out=None, scored=None, **unused):
         """prev_output_tokens: [B, T], each row BOS + prefix + k masks, right-padded.
-        Returns (logits [B, k, V] at the mask positions, extra)."""
+        Returns (logits [B, k, V] at the mask positions, extra); with ``scored`` [B, k] bool,
+        logits [n, V] of the n masks it marks only (see ``score_masks``)."""
         is_mask = prev_output_tokens.eq(self.mask_idx)
         block = is_mask.sum(dim=1)
         if block.numel() and not bool(block.eq(block[0]).all()):
@@ -101,7 +102,18 @@ class SpecDrafterDecoder(TransformerDecoderBase):
         )
         batch = prev_output_tokens.size(0)
         block_features = features[is_mask].view(batch, -1, features.size(-1))
-        return self.output_layer(block_features), extra
+        return score_masks(self, block_features, scored), extra
+
+
+def score_masks(decoder, block_features: torch.Tensor,
+                scored: Optional[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """The output layer over the masks' features [B, k, C]: logits [B, k, V], or with
+    ``scored`` [B, k] bool logits [n, V] of the marked masks in row-major order. The loss marks
+    the masks that have a label: a cut near the end of its sentence has masks past the EOS
+    (a third of all on bench-de-en), and the output layer is half of a training step."""
+    if scored is not None:
+        block_features = block_features[scored]
+    return decoder.output_layer(block_features)
 
 
 @register_model("spec_drafter")
@@ -205,9 +217,10 @@ class SpecDrafterModel(TransformerModel):
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return SpecDrafterDecoder(cfg, tgt_dict, embed_tokens)
 
-    def forward(self, src_tokens, src_lengths, prev_output_tokens, **unused):
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, scored=None, **unused):
         """prev_output_tokens may hold several rows per sentence (consecutive, the same number
-        for every sentence): training with several cut points shares one encoder pass."""
+        for every sentence): training with several cut points shares one encoder pass.
+        ``scored``: the masks to score (the decoder's ``forward``)."""
         encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
         rows, sentences = prev_output_tokens.size(0), src_tokens.size(0)
         if rows != sentences:
@@ -217,7 +230,7 @@ class SpecDrafterModel(TransformerModel):
             encoder_out = self.encoder.reorder_encoder_out(
                 encoder_out, index.repeat_interleave(rows // sentences)
             )
-        return self.decoder(prev_output_tokens, encoder_out)
+        return self.decoder(prev_output_tokens, encoder_out, scored=scored)
 
 
 @register_model_architecture("spec_drafter", "spec_drafter")
