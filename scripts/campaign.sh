@@ -11,7 +11,7 @@
 # drafter-states/); training stages append to their train.log. The extra flags go to every
 # fairseq-train after the campaign's checkpoint flags (--save-interval-updates 500
 # --keep-interval-updates 5 --max-epoch 30), which they can change, and before the stage's own
-# flags, which they cannot.
+# flags, which they cannot (the comparison drafters' --max-epoch is COMPARISON_EPOCHS).
 # finish_verifier.py averages the last 5 interval checkpoints: keep 5 or more.
 # Run it again after any stop: finished stages are skipped and the one in progress resumes from
 # its checkpoint_last.pt (repaired first if the stop cut fairseq's copies short:
@@ -169,13 +169,13 @@ print(json.dumps({"beam": 1, "max_len_a": DEFAULTS.max_len_a, "max_len_b": DEFAU
 
   # acceptance on the first 1,000 validation sentences: a validation decodes them once per
   # rule (lossless, the reference top-beta/tau), a third of what the whole newstest2013 would cost
-  local top_beta
-  top_beta=$(python -c 'from spec_nmt.decoding.settings import REFERENCE_TOP_BETA as s
-print("--beta", s.beta, "--tau", s.tau)')
-  # shellcheck disable=SC2206  # two flags and their numbers
+  local top_beta=()
+  read -ra top_beta < <(python -c 'from spec_nmt.decoding.settings import REFERENCE_TOP_BETA as s
+print("--beta", s.beta, "--tau", s.tau)') || true
+  (( ${#top_beta[@]} == 4 )) || { log "cannot read the reference top-beta/tau setting"; exit 1; }
   local acceptance=(--init-from-verifier "$verifier" --eval-acceptance-verifier "$verifier"
                     --eval-acceptance-sentences 1000
-                    $top_beta --best-checkpoint-metric accepted_lossless
+                    "${top_beta[@]}" --best-checkpoint-metric accepted_lossless
                     --maximize-best-checkpoint-metric --required-batch-size-multiple 1)
   local kind size layers
   # a drafter has stopped learning when its acceptance gains 0.01 tokens per iteration or less

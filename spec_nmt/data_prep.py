@@ -28,12 +28,14 @@ def check_raw_dir(raw_dir, src, tgt, splits=SPLITS):
         for lang in (src, tgt):
             path = Path(raw_dir) / f"{split}.{lang}"
             if not path.is_file():
-                raise SpecNmtError(f"{path} is missing: expected {{{','.join(splits)}}}.{{{src},{tgt}}}")
+                expected = f"{{{','.join(splits)}}}.{{{src},{tgt}}}"
+                raise SpecNmtError(f"{path} is missing: expected {expected}")
             with open(path, encoding="utf-8") as f:
                 counts[lang] = sum(1 for _ in f)
         if counts[src] != counts[tgt]:
             raise SpecNmtError(
-                f"{raw_dir}/{split}.{src} has {counts[src]} lines but {split}.{tgt} has {counts[tgt]}"
+                f"{raw_dir}/{split}.{src} has {counts[src]} lines but {split}.{tgt} has "
+                f"{counts[tgt]}"
             )
 
 

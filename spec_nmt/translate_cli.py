@@ -135,7 +135,8 @@ def translate_stream(translator, stream: TextIO, args) -> None:
     show = not args.quiet and (total is None or total > PROGRESS_MIN_LINES)
     lines = sentences = output_tokens = 0
     start = time.perf_counter()
-    with tqdm(total=total, unit="line", disable=not show, file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(total=total, unit="line", disable=not show, file=sys.stderr,
+              dynamic_ncols=True) as bar:  # fmt: skip
         for buffer in itertools.chain([first], chunks):
             translations = translator.translate(
                 buffer,

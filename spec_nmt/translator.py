@@ -98,7 +98,8 @@ class SpecTranslator:
     # ----- generators -------------------------------------------------------------------------
     def generator(self, **settings) -> SpeculativeGenerator:
         """A speculative generator over the loaded models, with these settings changed."""
-        return self.task.generator_for(self.verifier, self.drafter, self.settings.replace(**settings))
+        settings = self.settings.replace(**settings)
+        return self.task.generator_for(self.verifier, self.drafter, settings)
 
     # ----- text in, text out --------------------------------------------------------------
     def translate(
@@ -160,7 +161,8 @@ class SpecTranslator:
         """Target ids → text, removing sentencepiece as fairseq's --bpe sentencepiece does."""
         return self.tgt_dict.string(token_ids).replace(" ", "").replace("\u2581", " ").strip()
 
-    def batches(self, tokens: List[torch.Tensor], batch_size: int) -> Iterator[Tuple[List[int], Dict]]:
+    def batches(self, tokens: List[torch.Tensor],
+                batch_size: int) -> Iterator[Tuple[List[int], Dict]]:  # fmt: skip
         """Batches of similar source length, each (line index of every row, fairseq sample).
         fairseq's collater orders rows by length, so the indices come from the sample's ids."""
         if batch_size < 1:
@@ -211,7 +213,8 @@ class SpecTranslator:
         outputs = [[] for _ in lines]
         score_sums = [0.0] * len(lines)
         self.statistics = [
-            {"sentences": 0, "iterations": 0, "accepted_tokens": 0, "output_tokens": 0, "score": None}
+            {"sentences": 0, "iterations": 0, "accepted_tokens": 0, "output_tokens": 0,
+             "score": None}  # fmt: skip
             for _ in lines
         ]
         for i, index in enumerate(owner):
@@ -266,5 +269,6 @@ def _clean(line: str) -> str:
 
 
 def _to_device(sample: Dict, device: torch.device) -> Dict:
-    net_input = {k: v.to(device) if torch.is_tensor(v) else v for k, v in sample["net_input"].items()}
+    net_input = {name: value.to(device) if torch.is_tensor(value) else value
+                 for name, value in sample["net_input"].items()}  # fmt: skip
     return dict(sample, net_input=net_input)

@@ -50,7 +50,7 @@ def pipeline(tmp_path_factory):
 # the output length limits of every decoder the project runs
 LENGTH_FLAGS = DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"])
 
-# the verifier's decoder depth, which the campaign's drafters (2, 1 and 2 layers) do not take
+# the verifier's decoder depth, which the campaign's drafters (2, 2, 1 and 2 layers) do not take
 VERIFIER_DECODER_LAYERS = 3
 # the comparison drafters' epochs (about 28 updates each on the toy corpus): fewer than 250
 # updates, and a multiple of --validate-interval, so that the last epoch is validated
@@ -290,10 +290,12 @@ def test_benchmark_block_cost_mode_times_every_width_and_batch(pipeline, tmp_pat
 
 def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     out = tmp_path / "bench.json"
+    # the cached drafter's pair: the Spec-Drafter trains only COMPARISON_EPOCHS; beta and tau
+    # are the benchmark's defaults, the reference setting
     run(sys.executable, "scripts/benchmark.py", "run", pipeline["cached_model"],
         "--src", pipeline["raw"] / "test.de", "--ref", pipeline["raw"] / "test.en", "--lines", 20,
         "--batch-size", 8, "--latency-lines", 4, "--warmup-lines", 1, "--lossless-block", 5,
-        "--block", 5, "--beta", 3, "--tau", 1.0, "--json", out)  # fmt: skip
+        "--block", 5, "--json", out)  # fmt: skip
     result = json.loads(out.read_text())
     rows = {row["system"]: row for row in result["rows"]}
     assert set(rows) == {"fairseq greedy", "fairseq beam5", "spec lossless k=5", "spec k=5 beta=3 tau=1.0"}

@@ -121,8 +121,8 @@ def test_verifier_layout_is_adopted_for_the_copied_parts_in_namespace_and_hydra_
 
 @pytest.mark.parametrize("drafter_name", ["drafter", "cached_drafter"])
 def test_the_loss_scores_only_the_labelled_masks_and_equals_scoring_all(toy, drafter_name):
-    """The criterion has the model score only masks with a label; its loss, accuracy and
-    leading-run counts equal those from every mask's logits."""
+    """The criterion has the model score only masks with a label; its loss, the loss's gradient,
+    accuracy and leading-run counts equal those from every mask's logits."""
     (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
         [str(toy[drafter_name])], arg_overrides={"data": str(toy["bin"])}
     )
@@ -135,15 +135,19 @@ def test_the_loss_scores_only_the_labelled_masks_and_equals_scoring_all(toy, dra
     target = batch["target"]
     assert target.eq(pad).any() and target.ne(pad).any()  # masks past an EOS: some are skipped
     criterion = SpecDrafterLoss(task, label_smoothing=0.1, report_first_n=BLOCK_SIZE)
+    output_weight = drafter.decoder.output_projection.weight
+    loss, sample_size, logged = criterion(drafter, batch)
+    (gradient,) = torch.autograd.grad(loss, output_weight)
     with torch.no_grad():
-        loss, sample_size, logged = criterion(drafter, batch)
         scored, _ = drafter(**batch["net_input"], scored=target.ne(pad))
-        every, _ = drafter(**batch["net_input"])  # [rows, k, V]
-    assert scored.shape == (int(target.ne(pad).sum()), every.size(-1))
+    assert scored.shape == (int(target.ne(pad).sum()), output_weight.size(0))
+    every, _ = drafter(**batch["net_input"])  # [rows, k, V]
     lprobs = torch.log_softmax(every.float(), dim=-1)
     expected, _ = label_smoothed_nll_loss(lprobs.view(-1, lprobs.size(-1)), target.view(-1), 0.1,
                                           ignore_index=pad)  # fmt: skip
     torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(gradient, torch.autograd.grad(expected, output_weight)[0])
+    lprobs = lprobs.detach()
     assert sample_size == batch["ntokens"] == int(target.ne(pad).sum())
     right = lprobs.argmax(dim=-1).eq(target)
     assert logged["n_correct"] == int((right & target.ne(pad)).sum())

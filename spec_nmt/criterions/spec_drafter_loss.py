@@ -1,4 +1,5 @@
-"""Criterion ``spec_drafter_loss``: label-smoothed cross-entropy over the k drafted positions.
+"""Criterion ``spec_drafter_loss``: label-smoothed cross-entropy over the drafted positions that
+have a label (masks past the target's EOS are not scored).
 
 Besides the loss it reports how drafting would fare against the reference: ``acc`` (per-token
 accuracy), ``lead`` (mean run of correct tokens from the start of the block, what a verifier

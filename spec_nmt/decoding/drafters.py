@@ -223,7 +223,7 @@ class NarDrafter:
 
         def expand(level_tokens: Tensor, _visible, level_depth: int) -> Tensor:
             if depth == 0:  # no drafts at all (position limit): no distribution is needed
-                return logprobs.new_zeros(level_tokens.size(0), level_tokens.size(1), logprobs.size(2))
+                return logprobs.new_zeros(*level_tokens.shape, logprobs.size(2))
             position = logprobs[:, min(level_depth, depth - 1)]
             return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
 

@@ -12,7 +12,8 @@ from spec_nmt.decoding.verify import accept_top_beta, sampling_probs, speculativ
 
 # (tree, constrained logits [B, N+1, V], settings, eos, generator)
 #   -> (path [B, depth] of accepted node indices padded with -1, n_accepted [B], next token [B])
-Accept = Callable[[DraftTree, Tensor, object, int, Optional[torch.Generator]], Tuple[Tensor, Tensor, Tensor]]
+Accept = Callable[[DraftTree, Tensor, object, int, Optional[torch.Generator]],
+                  Tuple[Tensor, Tensor, Tensor]]  # fmt: skip
 
 
 class Rule(NamedTuple):

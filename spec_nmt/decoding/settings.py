@@ -56,7 +56,9 @@ class DecodingSettings:
         """The drafts' shape; one-line errors for combinations that make no sense."""
         rule = RULES[self.verify]
         if self.adaptive_block and rule.trees:
-            raise SpecNmtError("--adaptive-block adapts chains of drafts: it does not fit --verify rsd")
+            raise SpecNmtError(
+                "--adaptive-block adapts chains of drafts: it does not fit --verify rsd"
+            )
         if not rule.trees:
             if self.tree_branching or self.tree_budget:
                 raise SpecNmtError("--tree-branching and --tree-budget need --verify rsd")
@@ -100,7 +102,8 @@ class DecodingSettings:
         """The settings of a fairseq run: the rule's flags from the task config ``cfg``, the
         generation flags from fairseq's ``args`` (its own defaults where it has them)."""
         rule = {name: getattr(cfg, name) for name in RULE_SETTINGS}
-        generation = {name: getattr(args, name) for name in GENERATION_SETTINGS if hasattr(args, name)}
+        generation = {name: getattr(args, name) for name in GENERATION_SETTINGS
+                      if hasattr(args, name)}  # fmt: skip
         return cls(**rule, **generation, seed=seed)
 
     def fairseq_flags(self, settings: Sequence[str]) -> List[str]:

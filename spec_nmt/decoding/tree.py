@@ -181,7 +181,8 @@ def recursive_rejection(
                 break
             token = tree.tokens[rows, child.clamp(min=0)].unsqueeze(1)
             u = torch.rand(batch, generator=generator, device=device)
-            accept = trying & (u * draft.gather(1, token).squeeze(1) < target.gather(1, token).squeeze(1))
+            p, q = draft.gather(1, token).squeeze(1), target.gather(1, token).squeeze(1)
+            accept = trying & (u * p < q)
             chosen = torch.where(accept, child, chosen)
             reject = (trying & ~accept).unsqueeze(1)
             target = torch.where(reject, residual(target, draft), target)

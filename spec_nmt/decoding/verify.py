@@ -91,7 +91,9 @@ def check_sampling_params(temperature: float, topk: int, topp: float) -> None:
     if not temperature > 0:
         raise SpecNmtError(f"--temperature must be > 0, got {temperature}")
     if int(topk) != topk or (topk < 1 and topk != -1):
-        raise SpecNmtError(f"--sampling-topk must be a positive integer (or -1 for all), got {topk}")
+        raise SpecNmtError(
+            f"--sampling-topk must be a positive integer (or -1 for all), got {topk}"
+        )
     if topp != -1.0 and not 0 < topp <= 1:
         raise SpecNmtError(f"--sampling-topp must be in (0, 1] (or -1 for all), got {topp}")
 

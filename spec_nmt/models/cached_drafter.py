@@ -91,8 +91,9 @@ class CachedDrafterDecoder(TransformerDecoderBase):
         def self_attention(_layer: int):
             def attention(attn, x: Tensor) -> Tensor:
                 heads = attn.num_heads
+                projections = (attn.q_proj, attn.k_proj, attn.v_proj)
                 query, keys, values = (block_forward.split_heads(proj(x), heads)
-                                       for proj in (attn.q_proj, attn.k_proj, attn.v_proj))  # fmt: skip
+                                       for proj in projections)  # fmt: skip
                 return block_forward.attend(attn, query, keys, values, bias)
 
             return attention
@@ -115,7 +116,8 @@ def same_weights(ours: Tensor, theirs: Tensor) -> bool:
     if not (ours.is_floating_point() and theirs.is_floating_point()):
         return False
     ours16, theirs16 = ours.half(), theirs.half()
-    exported = torch.equal(ours16.to(ours.dtype), ours) or torch.equal(theirs16.to(theirs.dtype), theirs)
+    exported = (torch.equal(ours16.to(ours.dtype), ours)
+                or torch.equal(theirs16.to(theirs.dtype), theirs))  # fmt: skip
     return exported and torch.equal(ours16, theirs16)
 
 
