@@ -147,7 +147,6 @@ def test_the_loss_scores_only_the_labelled_masks_and_equals_scoring_all(toy, dra
                                           ignore_index=pad)  # fmt: skip
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(gradient, torch.autograd.grad(expected, output_weight)[0])
-    lprobs = lprobs.detach()
     assert sample_size == batch["ntokens"] == int(target.ne(pad).sum())
     right = lprobs.argmax(dim=-1).eq(target)
     assert logged["n_correct"] == int((right & target.ne(pad)).sum())
