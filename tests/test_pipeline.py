@@ -1,7 +1,7 @@
 """The whole recipe on the toy corpus, through the real scripts: raw text -> sentencepiece +
 fairseq-preprocess -> scripts/campaign.sh (verifier, its averaged final model, distillation, the
-cached drafter, then for comparison the Spec-Drafter, the 1-layer cached drafter and the cached
-drafter with the verifier's states, all started from the verifier) -> compact model directory ->
+cached drafter, then for comparison the Spec-Drafter, the short-block, the 1-layer and the
+states-reading cached drafters, all started from the verifier) -> compact model directory ->
 `make translate` and scripts/benchmark.py."""
 
 import io
@@ -168,7 +168,8 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     assert refusal in other_beam.stderr
 
 
-DRAFTER_STAGES = ("drafter-cached", "drafter-spec", "drafter-cached-1layer", "drafter-states")
+DRAFTER_STAGES = ("drafter-cached", "drafter-spec", "drafter-short", "drafter-cached-1layer",
+                  "drafter-states")  # fmt: skip
 
 
 def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
@@ -182,10 +183,12 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
         last_row = rf"^\| {last} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|\Z"  # 4 metrics
         assert re.search(last_row, curve.split("\n\n")[0].strip(), re.M), curve
         assert re.search(r"best accepted_lossless [0-9.]+ at update \d+", curve)
-        model = torch.load(campaign / stage / "checkpoint_last.pt", weights_only=False)
-        model = model["cfg"]["model"]
+        cfg = torch.load(campaign / stage / "checkpoint_last.pt", weights_only=False)["cfg"]
+        model, task = cfg["model"], cfg["task"]
         assert model.decoder_layers == (1 if stage.endswith("1layer") else 2)
         assert getattr(model, "verifier_states", False) == (stage == "drafter-states")
+        blocks = {"drafter-spec": (10, 3), "drafter-short": (5, 8)}.get(stage, (10, 4))
+        assert (task["block_size"], task["cuts_per_sentence"]) == blocks  # k, cuts per sentence
     verifier = torch.load(pipeline["verifier"], weights_only=False)["cfg"]["model"]
     assert verifier.decoder_layers == VERIFIER_DECODER_LAYERS
     assert "distilling the training set in 1 shard(s)" in pipeline["campaign_log"]
