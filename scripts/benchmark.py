@@ -91,7 +91,7 @@ def fairseq_sampler(pair: SpecTranslator, temperature: float) -> SequenceGenerat
 
 def load_pair(args) -> SpecTranslator:
     return SpecTranslator.from_pretrained(args.model_dir, args.drafter, device="cpu",
-                                          drafter_int8=args.drafter_int8)  # fmt: skip
+                                          drafter_precision=args.drafter_precision)  # fmt: skip
 
 
 def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
@@ -686,7 +686,9 @@ def main():
     parser.add_argument("--src", required=True, help="raw source sentences, one per line")
     parser.add_argument("--ref", default=None, help="raw reference translations (not for ceiling)")
     parser.add_argument("--lines", type=int, default=None, help="use only the first N lines")
-    parser.add_argument("--drafter-int8", action="store_true", help="the drafter's linear layers in int8")
+    parser.add_argument("--drafter-precision", choices=["auto", "fp32", "int8"], default="auto",
+                        help="the drafter's feed-forward and output layers in int8 or fp32; "
+                        "auto: int8 on the CPU")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch in the throughput run")
     parser.add_argument("--latency-lines", type=int, default=100, help="timed batch-1 sentences")
     parser.add_argument("--warmup-lines", type=int, default=5, help="untimed batch-1 sentences first")

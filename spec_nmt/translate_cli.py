@@ -83,10 +83,11 @@ def parse_args(argv=None):
         "--cpu", action="store_true", help="decode on the CPU even if CUDA is available"
     )
     parser.add_argument(
-        "--drafter-int8",
-        action="store_true",
-        help="run the drafter's feed-forward and output layers in int8 (CPU): cheaper drafts, "
-        "same guarantees",
+        "--drafter-precision",
+        choices=["auto", "fp32", "int8"],
+        default="auto",
+        help="the drafter's feed-forward and output layers in int8 (CPU only: cheaper drafts, "
+        "same guarantees) or fp32; auto: int8 on the CPU (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     if args.buffer_size < 1:
@@ -172,7 +173,7 @@ def main(argv=None):
         args.model_dir,
         drafter_path=args.drafter_path,
         device="cpu" if args.cpu else None,
-        drafter_int8=args.drafter_int8,
+        drafter_precision=args.drafter_precision,
         **settings,
     )
     stream = open_input(args.input)

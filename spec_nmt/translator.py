@@ -62,12 +62,12 @@ class SpecTranslator:
         source_lang: str = "de",
         target_lang: str = "en",
         device: Optional[str] = None,
-        drafter_int8: bool = False,
+        drafter_precision: str = "auto",
         **settings,
     ) -> "SpecTranslator":
         """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``
-        (default: CUDA when available); ``drafter_int8`` quantizes the drafter's FFN and output
-        layers (CPU). ``settings`` are the defaults of every call."""
+        (default: CUDA when available); ``drafter_precision`` (auto, fp32, int8) is the task's
+        ``--drafter-precision``. ``settings`` are the defaults of every call."""
         model_dir = Path(model_dir)
         drafter_path = Path(drafter_path) if drafter_path else model_dir / "drafter.pt"
         needed = ["verifier.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt", "spm.model"]
@@ -80,7 +80,7 @@ class SpecTranslator:
         defaults = DEFAULTS.replace(**settings)
         cfg = SpecTranslationConfig(
             data=str(model_dir), source_lang=source_lang, target_lang=target_lang,
-            drafter_path=str(drafter_path), drafter_int8=drafter_int8,
+            drafter_path=str(drafter_path), drafter_precision=drafter_precision,
         )  # fmt: skip
         task = SpecTranslationTask.setup_task(cfg)
         verifier = _load_verifier(model_dir / "verifier.pt", task)

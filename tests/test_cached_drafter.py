@@ -248,7 +248,7 @@ def validation_metric(log, name):
 def test_validation_logs_the_acceptance_that_decoding_measures(toy):
     """--eval-acceptance-verifier: every validation decodes the valid set with the drafter of the
     moment; the last one ran on checkpoint_last's weights, so fairseq-generate with that
-    checkpoint over the same batches reports the same mean."""
+    checkpoint over the same batches reports the same mean (validation drafts in fp32)."""
     lossless = validation_metric(toy["cached_drafter_log"], "accepted_lossless")
     relaxed = validation_metric(toy["cached_drafter_log"], "accepted_top_beta")
     print(f"accepted per validation: lossless {lossless}, beta 3 tau 1 {relaxed}")
@@ -258,7 +258,7 @@ def test_validation_logs_the_acceptance_that_decoding_measures(toy):
     result = fairseq(
         "generate", toy["bin"], "--user-dir", USER_DIR, "--task", "spec_translation",
         "--path", toy["verifier"], "--drafter-path", toy["cached_drafter"], "--gen-subset", "valid",
-        "--block-size", BLOCK_SIZE, "--max-tokens", 2000,
+        "--block-size", BLOCK_SIZE, "--max-tokens", 2000, "--drafter-precision", "fp32",
         *DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"]), "--cpu",
     )  # fmt: skip
     decoded = re.search(r"mean accepted tokens per iteration ([0-9.]+)", result.stderr).group(1)

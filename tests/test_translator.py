@@ -6,6 +6,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.tasks.spec_translation import _drafts_in_int8
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BUNDLED_MODEL_DIR
 
@@ -94,3 +95,40 @@ def test_bad_calls_raise_one_line_errors(translator, call, message):
 def test_a_missing_model_file_is_named(tmp_path):
     with pytest.raises(SpecNmtError, match="verifier.pt is missing"):
         SpecTranslator.from_pretrained(tmp_path)
+
+
+
+def int8_layer_names(model):
+    return {name for name, module in model.named_modules()
+            if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)}  # fmt: skip
+
+
+def test_drafter_precision_auto_is_int8_on_the_cpu_in_fp32(translator):
+    """On the CPU the drafter's feed-forward layers and output projection go to int8 unless fp32
+    is asked for; the verifier never does, so lossless output does not change."""
+    fp32 = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter_precision="fp32")
+    assert not int8_layer_names(fp32.drafter.model)
+    int8_kinds = ("fc1", "fc2", "output_projection")
+    feed_forward_and_output = {
+        name for name, module in fp32.drafter.model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in int8_kinds
+    }  # fmt: skip
+    assert feed_forward_and_output
+    assert int8_layer_names(translator.drafter.model) == feed_forward_and_output
+    assert not int8_layer_names(translator.verifier)
+    assert translator.translate(SENTENCES) == fp32.translate(SENTENCES)
+
+
+@pytest.mark.parametrize(
+    "precision,dtype,int8",
+    [("auto", torch.float32, True), ("auto", torch.float16, False), ("fp32", torch.float32, False),
+     ("int8", torch.float32, True), ("int8", torch.float16, None)],
+)  # fmt: skip
+def test_drafter_precision_decides_int8_by_device_and_dtype(precision, dtype, int8):
+    """auto means int8 only where dynamic int8 runs (CPU, fp32); int8 elsewhere is refused."""
+    model = torch.nn.Linear(2, 2).to(dtype)
+    if int8 is None:
+        with pytest.raises(SpecNmtError, match="int8 runs on the CPU in fp32 only"):
+            _drafts_in_int8(model, precision)
+    else:
+        assert _drafts_in_int8(model, precision) is int8

@@ -44,6 +44,7 @@ from spec_nmt.models.spec_drafter import (
 logger = logging.getLogger(__name__)
 
 VERIFY_CHOICES = ChoiceEnum(list(RULES))
+DRAFTER_PRECISIONS = ChoiceEnum(["auto", "fp32", "int8"])
 
 
 @dataclass
@@ -69,12 +70,12 @@ class SpecTranslationConfig(TranslationConfig):
             "model as the verifier"
         },
     )
-    drafter_int8: bool = field(
-        default=False,
+    drafter_precision: DRAFTER_PRECISIONS = field(
+        default="auto",
         metadata={
-            "help": "run the drafter's feed-forward and output layers in int8 (dynamic "
-            "quantization, CPU only): cheaper drafts; the verifier stays as it is, so lossless "
-            "decoding stays lossless"
+            "help": "the drafter's feed-forward and output layers: int8 (dynamic quantization, "
+            "CPU only: cheaper drafts), fp32, or auto: int8 when the drafter runs on the CPU in "
+            "fp32. The verifier stays as it is, so every rule keeps its guarantee"
         },
     )
     beta: int = field(
@@ -378,7 +379,7 @@ class SpecTranslationTask(TranslationTask):
 
     def load_drafter(self, path: str, verifier_model):
         """Load a drafter checkpoint onto the verifier's device and dtype (its linear layers in
-        int8 with --drafter-int8): a Spec-Drafter, a cached drafter, or a stock Transformer
+        int8 by --drafter-precision): a Spec-Drafter, a cached drafter, or a stock Transformer
         translation model (autoregressive drafter)."""
         state = _read_checkpoint("--drafter-path", path)
         arch = _checkpoint_arch(state)
@@ -404,7 +405,7 @@ class SpecTranslationTask(TranslationTask):
             model.check_verifier_matches(verifier_model)
             # its copy of the verifier's decoder only trains: decoding reads the verifier's states
             model.verifier_decoder = None
-        if self.cfg.drafter_int8:
+        if _drafts_in_int8(model, self.cfg.drafter_precision):
             model = _int8_linears(model)
         return drafter_adapter(model, self.target_dictionary)
 
@@ -468,18 +469,28 @@ def _with_mask(dictionary):
     return extended
 
 
-# The layers that --drafter-int8 quantizes: the feed-forward layers and the output projection,
-# where int8 pays (2-5x on a CPU). The attention projections stay: int8 was slower there, and
-# fairseq's own attention reads their weights as tensors.
+# The layers that --drafter-precision int8 quantizes: the feed-forward layers and the output
+# projection, where int8 pays (2-5x on a CPU). The attention projections stay: int8 was slower
+# there, and fairseq's own attention reads their weights as tensors.
 INT8_LAYERS = ("fc1", "fc2", "output_projection")
+
+
+def _drafts_in_int8(model, precision: str) -> bool:
+    """Whether the drafter's layers go to int8: asked for, or ``auto`` on the CPU in fp32, where
+    int8 drafts cost about 0.1 greedy steps less per iteration for the same acceptance
+    (BENCHMARKS.md)."""
+    weights = next(model.parameters())
+    cpu_fp32 = weights.device.type == "cpu" and weights.dtype == torch.float32
+    if precision == "int8" and not cpu_fp32:
+        raise SpecNmtError(
+            "--drafter-precision int8 runs on the CPU in fp32 only (add --cpu, drop --fp16)"
+        )
+    return precision == "int8" or (precision == "auto" and cpu_fp32)
 
 
 def _int8_linears(model):
     """The model with its feed-forward and output layers dynamically quantized to int8 (int8
     weights, activations quantized per call); drafts only decide what gets accepted."""
-    weights = next(model.parameters())
-    if weights.device.type != "cpu" or weights.dtype != torch.float32:
-        raise SpecNmtError("--drafter-int8 runs on the CPU in fp32 only (add --cpu, drop --fp16)")
     quantized = {
         name: torch.ao.quantization.default_dynamic_qconfig
         for name, module in model.named_modules()
