@@ -70,6 +70,7 @@ from spec_nmt.decoding.tree import chain
 from spec_nmt.decoding.settings import DEFAULTS, REFERENCE_TOP_BETA
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.tasks.spec_translation import DRAFTER_PRECISION_NAMES
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 # the same output length limit for every system: the decoding default
@@ -141,7 +142,7 @@ def read_lines(path, limit=None):
     return lines[:limit] if limit else lines
 
 
-def environment():
+def environment(args):
     cpu = platform.processor() or platform.machine()
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -158,6 +159,8 @@ def environment():
         "torch": torch.__version__,
         "fairseq": fairseq.__version__,
         "python": platform.python_version(),
+        # the models always run on the CPU in fp32 here, where auto means int8
+        "drafter_precision": "fp32" if args.drafter_precision == "fp32" else "int8",
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
 
@@ -229,7 +232,7 @@ def sweep(args):
     print("best top-beta/tau setting:", json.dumps(best))
     print("best lossless setting:", json.dumps(lossless))
     result = {"mode": "sweep", "lines": len(src), "latency_lines": len(latency_tokens),
-              "environment": environment(), "rows": rows, "best": best,
+              "environment": environment(args), "rows": rows, "best": best,
               "best_lossless": lossless}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -282,7 +285,7 @@ def run(args):
         "mode": "run", "lines": len(src), "latency_lines": latency_lines,
         "warmup_lines": args.warmup_lines, "batch_size": args.batch_size,
         "sacrebleu_signature": signature, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
-        "environment": environment(), "rows": rows,
+        "environment": environment(args), "rows": rows,
     }
     print("sacreBLEU signature:", signature)
     print(markdown_table(result))
@@ -419,7 +422,7 @@ def ceiling(args):
                          "identical_to_greedy": sum(a == b for a, b in zip(run_["outputs"], greedy_text))})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     result = {"mode": "ceiling", "lines": len(src), "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
-              "environment": environment(), "rows": rows}  # fmt: skip
+              "environment": environment(args), "rows": rows}  # fmt: skip
     print(ceiling_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -495,7 +498,7 @@ def block_cost(args):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"mode": "block-cost", "prefix": BLOCK_COST_PREFIX, "repeats": args.repeats,
-              "environment": environment(), "rows": rows}  # fmt: skip
+              "environment": environment(args), "rows": rows}  # fmt: skip
     columns = [("batch_size", "batch"), ("width", "W"), ("ms_per_call", "ms per call"),
                ("cost_vs_narrowest", "cost (× narrowest W)"),
                ("entries_per_narrowest_cost", "entries per narrowest-W cost")]  # fmt: skip
@@ -623,7 +626,7 @@ def sampling(args):
     result = {
         "mode": "sampling", "lines": len(src), "latency_lines": latency_lines,
         "batch_size": args.batch_size, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
-        "environment": environment(), "rows": rows,
+        "environment": environment(args), "rows": rows,
     }
     print(sampling_table(result))
     if args.json:
@@ -686,7 +689,7 @@ def main():
     parser.add_argument("--src", required=True, help="raw source sentences, one per line")
     parser.add_argument("--ref", default=None, help="raw reference translations (not for ceiling)")
     parser.add_argument("--lines", type=int, default=None, help="use only the first N lines")
-    parser.add_argument("--drafter-precision", choices=["auto", "fp32", "int8"], default="auto",
+    parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES, default="auto",
                         help="the drafter's feed-forward and output layers in int8 or fp32; "
                         "auto: int8 on the CPU")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch in the throughput run")

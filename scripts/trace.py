@@ -19,6 +19,7 @@ import torch
 
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.settings import DEFAULTS
+from spec_nmt.tasks.spec_translation import DRAFTER_PRECISION_NAMES
 from spec_nmt.translator import SpecTranslator
 
 STYLE = """
@@ -152,6 +153,8 @@ def main():
     parser.add_argument("sentences", nargs="+", help="source sentences (raw text)")
     parser.add_argument("--output", "-o", type=Path, default=Path("trace.html"))
     parser.add_argument("--drafter", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
+    parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES, default="auto",
+                        help="the drafter's feed-forward and output layers; auto: int8 on the CPU")
     parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
     parser.add_argument("--beta", type=int, default=DEFAULTS.beta)
     parser.add_argument("--tau", type=float, default=DEFAULTS.tau)
@@ -170,7 +173,8 @@ def main():
     if args.tree_budget:
         settings["tree_budget"] = args.tree_budget
     # a SpecNmtError becomes one line on stderr (spec_nmt's error hook)
-    translator = SpecTranslator.from_pretrained(args.model_dir, args.drafter, device="cpu")
+    translator = SpecTranslator.from_pretrained(args.model_dir, args.drafter, device="cpu",
+                                                drafter_precision=args.drafter_precision)
     page = render(translator, args.sentences, settings)
     args.output.write_text(page, encoding="utf-8")
     print(f"wrote {args.output}")

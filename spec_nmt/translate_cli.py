@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.tasks.spec_translation import tolerant_stdin
+from spec_nmt.tasks.spec_translation import DRAFTER_PRECISION_NAMES, tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 PROGRESS_MIN_LINES = 300
@@ -84,7 +84,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--drafter-precision",
-        choices=["auto", "fp32", "int8"],
+        choices=DRAFTER_PRECISION_NAMES,
         default="auto",
         help="the drafter's feed-forward and output layers in int8 (CPU only: cheaper drafts, "
         "same guarantees) or fp32; auto: int8 on the CPU (default: %(default)s)",

@@ -44,7 +44,8 @@ from spec_nmt.models.spec_drafter import (
 logger = logging.getLogger(__name__)
 
 VERIFY_CHOICES = ChoiceEnum(list(RULES))
-DRAFTER_PRECISIONS = ChoiceEnum(["auto", "fp32", "int8"])
+DRAFTER_PRECISION_NAMES = ("auto", "fp32", "int8")
+DRAFTER_PRECISIONS = ChoiceEnum(list(DRAFTER_PRECISION_NAMES))
 
 
 @dataclass
@@ -479,6 +480,10 @@ def _drafts_in_int8(model, precision: str) -> bool:
     """Whether the drafter's layers go to int8: asked for, or ``auto`` on the CPU in fp32, where
     int8 drafts cost about 0.1 greedy steps less per iteration for the same acceptance
     (BENCHMARKS.md)."""
+    if precision not in DRAFTER_PRECISION_NAMES:
+        raise SpecNmtError(
+            f"--drafter-precision must be auto, fp32 or int8, got {precision!r}"
+        )
     weights = next(model.parameters())
     cpu_fp32 = weights.device.type == "cpu" and weights.dtype == torch.float32
     if precision == "int8" and not cpu_fp32:
