@@ -689,7 +689,7 @@ def main():
     parser.add_argument("--src", required=True, help="raw source sentences, one per line")
     parser.add_argument("--ref", default=None, help="raw reference translations (not for ceiling)")
     parser.add_argument("--lines", type=int, default=None, help="use only the first N lines")
-    parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES, default="auto",
+    parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES, default="fp32",
                         help="the drafter's feed-forward and output layers in int8 or fp32; "
                         "auto: int8 on the CPU")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch in the throughput run")

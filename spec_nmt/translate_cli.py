@@ -85,9 +85,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--drafter-precision",
         choices=DRAFTER_PRECISION_NAMES,
-        default="auto",
+        default="fp32",
         help="the drafter's feed-forward and output layers in int8 (CPU only: cheaper drafts, "
-        "same guarantees) or fp32; auto: int8 on the CPU (default: %(default)s)",
+        "same guarantees, but top-beta/tau output may depend on the batch) or fp32; auto: int8 "
+        "on the CPU (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     if args.buffer_size < 1:

@@ -62,7 +62,7 @@ class SpecTranslator:
         source_lang: str = "de",
         target_lang: str = "en",
         device: Optional[str] = None,
-        drafter_precision: str = "auto",
+        drafter_precision: str = "fp32",
         **settings,
     ) -> "SpecTranslator":
         """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``

@@ -79,9 +79,9 @@ def test_adaptive_block_is_identical_to_stock_greedy(toy, stock_greedy, drafter)
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 @pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter", "states_drafter"])
 def test_drafter_precision_keeps_lossless_decoding_lossless(toy, stock_greedy, drafter, precision):
-    """--drafter-precision changes the drafts only (the default on the CPU is int8): the verifier
-    still decides every token, and each kind of drafter keeps its own adapter (its acceptance
-    stays that of a trained drafter)."""
+    """--drafter-precision changes the drafts only: the verifier still decides every token, and
+    each kind of drafter keeps its own adapter (its acceptance stays that of a trained
+    drafter)."""
     output = generate(toy, 16, drafter, "--drafter-precision", precision)
     assert hypotheses(output) == stock_greedy[16]
     assert mean_accepted(output) > 0.3

@@ -105,10 +105,11 @@ def int8_layer_names(model):
 
 
 def test_drafter_precision_auto_is_int8_on_the_cpu_in_fp32():
-    """On the CPU the drafter's feed-forward layers and output projection go to int8 unless fp32
-    is asked for; the verifier never does, so lossless output does not change."""
-    auto = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
-    fp32 = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter_precision="fp32")
+    """With auto on the CPU the drafter's feed-forward layers and output projection go to int8
+    (fp32, the default, keeps them); the verifier never does, so lossless output does not
+    change."""
+    auto = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter_precision="auto")
+    fp32 = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
     assert not int8_layer_names(fp32.drafter.model)
     feed_forward_and_output = {
         name for name, module in fp32.drafter.model.named_modules()

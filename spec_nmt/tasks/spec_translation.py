@@ -72,11 +72,13 @@ class SpecTranslationConfig(TranslationConfig):
         },
     )
     drafter_precision: DRAFTER_PRECISIONS = field(
-        default="auto",
+        default="fp32",
         metadata={
-            "help": "the drafter's feed-forward and output layers: int8 (dynamic quantization, "
-            "CPU only: cheaper drafts), fp32, or auto: int8 when the drafter runs on the CPU in "
-            "fp32. The verifier stays as it is, so every rule keeps its guarantee"
+            "help": "the drafter's feed-forward and output layers: fp32, int8 (dynamic "
+            "quantization, CPU only: cheaper drafts), or auto: int8 when the drafter runs on the "
+            "CPU in fp32. The verifier stays as it is, so every rule keeps its guarantee; int8 "
+            "quantizes activations per call, so its drafts, and top-beta/tau output, may depend "
+            "on the batch"
         },
     )
     beta: int = field(
@@ -479,7 +481,8 @@ INT8_LAYERS = ("fc1", "fc2", "output_projection")
 def _drafts_in_int8(model, precision: str) -> bool:
     """Whether the drafter's layers go to int8: asked for, or ``auto`` on the CPU in fp32, where
     int8 drafts cost about 0.1 greedy steps less per iteration for the same acceptance
-    (BENCHMARKS.md)."""
+    (BENCHMARKS.md). Not the default: with activation scales per call, a sentence's drafts (and
+    so its top-beta/tau output) would depend on the batch it is decoded in."""
     if precision not in DRAFTER_PRECISION_NAMES:
         raise SpecNmtError(
             f"--drafter-precision must be auto, fp32 or int8, got {precision!r}"
