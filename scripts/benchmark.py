@@ -70,7 +70,7 @@ from spec_nmt.decoding.tree import chain
 from spec_nmt.decoding.settings import DEFAULTS, REFERENCE_TOP_BETA
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.tasks.spec_translation import DRAFTER_PRECISION_NAMES
+from spec_nmt.tasks.spec_translation import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 # the same output length limit for every system: the decoding default
@@ -689,7 +689,8 @@ def main():
     parser.add_argument("--src", required=True, help="raw source sentences, one per line")
     parser.add_argument("--ref", default=None, help="raw reference translations (not for ceiling)")
     parser.add_argument("--lines", type=int, default=None, help="use only the first N lines")
-    parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES, default="fp32",
+    parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES,
+                        default=DEFAULT_DRAFTER_PRECISION,
                         help="the drafter's feed-forward and output layers in int8 or fp32; "
                         "auto: int8 on the CPU")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch in the throughput run")

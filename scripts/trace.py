@@ -19,7 +19,7 @@ import torch
 
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.settings import DEFAULTS
-from spec_nmt.tasks.spec_translation import DRAFTER_PRECISION_NAMES
+from spec_nmt.tasks.spec_translation import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
 from spec_nmt.translator import SpecTranslator
 
 STYLE = """
@@ -153,7 +153,8 @@ def main():
     parser.add_argument("sentences", nargs="+", help="source sentences (raw text)")
     parser.add_argument("--output", "-o", type=Path, default=Path("trace.html"))
     parser.add_argument("--drafter", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
-    parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES, default="fp32",
+    parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES,
+                        default=DEFAULT_DRAFTER_PRECISION,
                         help="the drafter's feed-forward and output layers; auto: int8 on the CPU")
     parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
     parser.add_argument("--beta", type=int, default=DEFAULTS.beta)

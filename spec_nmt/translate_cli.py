@@ -23,7 +23,11 @@ from tqdm import tqdm
 
 from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.tasks.spec_translation import DRAFTER_PRECISION_NAMES, tolerant_stdin
+from spec_nmt.tasks.spec_translation import (
+    DEFAULT_DRAFTER_PRECISION,
+    DRAFTER_PRECISION_NAMES,
+    tolerant_stdin,
+)
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 PROGRESS_MIN_LINES = 300
@@ -85,7 +89,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--drafter-precision",
         choices=DRAFTER_PRECISION_NAMES,
-        default="fp32",
+        default=DEFAULT_DRAFTER_PRECISION,
         help="the drafter's feed-forward and output layers in int8 (CPU only: cheaper drafts, "
         "same guarantees, but top-beta/tau output may depend on the batch) or fp32; auto: int8 "
         "on the CPU (default: %(default)s)",

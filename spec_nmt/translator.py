@@ -32,7 +32,12 @@ from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
 from spec_nmt.sentences import join_sentences, split_sentences
-from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask, cut_to_limit
+from spec_nmt.tasks.spec_translation import (
+    DEFAULT_DRAFTER_PRECISION,
+    SpecTranslationConfig,
+    SpecTranslationTask,
+    cut_to_limit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +67,7 @@ class SpecTranslator:
         source_lang: str = "de",
         target_lang: str = "en",
         device: Optional[str] = None,
-        drafter_precision: str = "fp32",
+        drafter_precision: str = DEFAULT_DRAFTER_PRECISION,
         **settings,
     ) -> "SpecTranslator":
         """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``

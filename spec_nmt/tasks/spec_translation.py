@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 VERIFY_CHOICES = ChoiceEnum(list(RULES))
 DRAFTER_PRECISION_NAMES = ("auto", "fp32", "int8")
+# int8 drafts depend on their batch (activation scales per call): opt-in, see _drafts_in_int8
+DEFAULT_DRAFTER_PRECISION = "fp32"
 DRAFTER_PRECISIONS = ChoiceEnum(list(DRAFTER_PRECISION_NAMES))
 
 
@@ -72,7 +74,7 @@ class SpecTranslationConfig(TranslationConfig):
         },
     )
     drafter_precision: DRAFTER_PRECISIONS = field(
-        default="fp32",
+        default=DEFAULT_DRAFTER_PRECISION,
         metadata={
             "help": "the drafter's feed-forward and output layers: fp32, int8 (dynamic "
             "quantization, CPU only: cheaper drafts), or auto: int8 when the drafter runs on the "
