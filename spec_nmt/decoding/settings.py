@@ -23,7 +23,9 @@ class DecodingSettings:
 
     # the rule and the drafts
     verify: str = "top_beta"  # top_beta | sampling | rsd
-    block_size: int = 10  # k: drafted tokens per iteration (tree depth for rsd)
+    # k: drafted tokens per iteration (tree depth for rsd). With the bundled pair 2 and 3 are the
+    # fastest at batch 1 to 64 (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
+    block_size: int = 3
     beta: int = 1  # top-beta: a draft must be among the verifier's beta best ...
     tau: float = 0.0  # ... and within tau of the best log-prob (1 / 0: lossless)
     tree_branching: Optional[str] = None  # rsd, RSD-C: children per node at each depth

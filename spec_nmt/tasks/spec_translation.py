@@ -55,7 +55,8 @@ class SpecTranslationConfig(TranslationConfig):
     block_size: int = field(
         default=DEFAULTS.block_size,
         metadata={
-            "help": "k: [MASK] positions the drafter fills per iteration, in training and decoding"
+            "help": "k: [MASK] positions the drafter fills per iteration, in training (the "
+            "recipes of scripts/train_drafter.sh set their own) and decoding"
         },
     )
     cuts_per_sentence: int = field(
