@@ -4,12 +4,12 @@
 Choose the setting on the validation set (never on test):
 
     python scripts/benchmark.py sweep MODEL_DIR --src valid.de --ref valid.en \
-        --blocks 5,10,15,25 --betas 1,3,5 --taus 0,1,2,3 --lines 500 --latency-lines 100
+        --blocks 2,3,5,10 --betas 1,3,5 --taus 0,1,2,3 --lines 500 --latency-lines 100
 
 then measure it on test:
 
     python scripts/benchmark.py run MODEL_DIR --src test.de --ref test.en \
-        --lossless-block 10 --block 10 --beta 3 --tau 1 --latency-lines 200 \
+        --lossless-block 3 --block 5 --beta 3 --tau 1 --latency-lines 200 \
         --json BENCHMARKS.json
 
 Sampling (speculative sampling vs RSD-C vs RSD-S vs fairseq's --sampling --beam 1), per
@@ -697,7 +697,7 @@ def main():
     parser.add_argument("--latency-lines", type=int, default=100, help="timed batch-1 sentences")
     parser.add_argument("--warmup-lines", type=int, default=5, help="untimed batch-1 sentences first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    parser.add_argument("--blocks", type=comma_list(int), default=[5, 10, 25], help="sweep: block sizes k")
+    parser.add_argument("--blocks", type=comma_list(int), default=[2, 3, 5, 10], help="sweep: block sizes k")
     parser.add_argument("--betas", type=comma_list(int), default=[1, 3, 5], help="sweep: beta values")
     parser.add_argument("--taus", type=comma_list(float), default=[0.0, 1.0, 2.0], help="sweep: tau values")
     parser.add_argument("--adaptive", action="store_true",
@@ -705,7 +705,7 @@ def main():
     parser.add_argument("--settings", type=comma_list(setting), default=None,
                         help="sweep: explicit k:beta:tau list instead of the product, e.g. 5:1:0,10:3:1")
     parser.add_argument("--lossless-block", type=int, default=DEFAULTS.block_size, help="run: k of the lossless system")
-    parser.add_argument("--block", type=int, default=DEFAULTS.block_size, help="run: k of the top-beta/tau system")
+    parser.add_argument("--block", type=int, default=DEFAULTS.block_size, help="run: k of the top-beta/tau system; ceiling: k")
     parser.add_argument("--beta", type=int, default=REFERENCE_TOP_BETA.beta, help="run: beta of the top-beta/tau system")
     parser.add_argument("--tau", type=float, default=REFERENCE_TOP_BETA.tau, help="run: tau of the top-beta/tau system")
     parser.add_argument("--output-dir", default=None, help="run: write each system's translations here")

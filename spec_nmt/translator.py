@@ -1,7 +1,7 @@
 """Python API in fairseq's hub style: a model directory in, sentences in, sentences out.
 
     from spec_nmt.translator import SpecTranslator
-    translator = SpecTranslator.from_pretrained("data/models/bench-de-en", beta=3, tau=1.0)
+    translator = SpecTranslator.from_pretrained("data/models/bench-de-en", block_size=5, beta=3, tau=1.0)
     translator.translate("Guten Morgen.")
     translator.translate(["Guten Morgen.", "Wie geht es dir? Gut."], batch_size=32)
     translator.sample("Guten Morgen.", temperature=0.7, verify="rsd", tree_branching="2,1,1")

@@ -24,7 +24,7 @@ class DecodingSettings:
     # the rule and the drafts
     verify: str = "top_beta"  # top_beta | sampling | rsd
     # k: drafted tokens per iteration (tree depth for rsd). With the bundled pair 2 and 3 are the
-    # fastest at batch 1 to 64 (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
+    # fastest, 5 and 10 slower (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
     block_size: int = 3
     beta: int = 1  # top-beta: a draft must be among the verifier's beta best ...
     tau: float = 0.0  # ... and within tau of the best log-prob (1 / 0: lossless)
@@ -125,8 +125,8 @@ def names() -> List[str]:
 
 
 DEFAULTS = DecodingSettings()
-# The relaxed top-beta/tau setting that the acceptance targets quote: drafters are validated and
-# benchmarked with it beside the lossless rule.
+# The relaxed top-beta/tau rule (beta, tau) that the acceptance targets quote: drafters are
+# validated and benchmarked with it beside the lossless rule, at their own k.
 REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
 # the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
 RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
