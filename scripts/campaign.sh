@@ -184,7 +184,7 @@ print("--beta", s.beta, "--tau", s.tau)') || true
   # in 3 epochs: a metric creeping by thousandths would otherwise run to --max-epoch. The cached
   # drafter comes first and trains to convergence: it is the bundle's unless another wins. The
   # others are comparisons, trained COMPARISON_EPOCHS epochs at most and compared with its curve
-  # epoch by epoch: the Spec-Drafter (the issue's baseline; it drafts at about 1.3x the cached
+  # epoch by epoch: the Spec-Drafter (the issue's baseline; it drafts at 1.4-2.4x the cached
   # drafter's cost and trains 1.5x slower), the cached drafter trained on blocks of 5 masks with
   # 8 cuts per sentence (as many masks per sentence, twice the first positions: the cached
   # drafter earns 0.98 of its 1.04 accepted drafts in its first 3; BENCHMARKS.md; validated at
