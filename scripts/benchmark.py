@@ -70,7 +70,11 @@ from spec_nmt.decoding.tree import chain
 from spec_nmt.decoding.settings import DEFAULTS, REFERENCE_TOP_BETA
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.tasks.spec_translation import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
+from spec_nmt.tasks.spec_translation import (
+    DEFAULT_DRAFTER_PRECISION,
+    DRAFTER_PRECISION_NAMES,
+    drafts_in_int8,
+)
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 # the same output length limit for every system: the decoding default
@@ -159,8 +163,9 @@ def environment(args):
         "torch": torch.__version__,
         "fairseq": fairseq.__version__,
         "python": platform.python_version(),
-        # the models always run on the CPU in fp32 here, where auto means int8
-        "drafter_precision": "fp32" if args.drafter_precision == "fp32" else "int8",
+        # the models always run on the CPU in fp32 here (load_pair)
+        "drafter_precision": "int8" if drafts_in_int8(args.drafter_precision, "cpu",
+                                                      torch.float32) else "fp32",
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
 

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 VERIFY_CHOICES = ChoiceEnum(list(RULES))
 DRAFTER_PRECISION_NAMES = ("auto", "fp32", "int8")
-# int8 drafts depend on their batch (activation scales per call): opt-in, see _drafts_in_int8
+# int8 drafts depend on their batch (activation scales per call): opt-in, see drafts_in_int8
 DEFAULT_DRAFTER_PRECISION = "fp32"
 DRAFTER_PRECISIONS = ChoiceEnum(list(DRAFTER_PRECISION_NAMES))
 
@@ -411,7 +411,8 @@ class SpecTranslationTask(TranslationTask):
             model.check_verifier_matches(verifier_model)
             # its copy of the verifier's decoder only trains: decoding reads the verifier's states
             model.verifier_decoder = None
-        if _drafts_in_int8(model, self.cfg.drafter_precision):
+        weights = next(model.parameters())
+        if drafts_in_int8(self.cfg.drafter_precision, weights.device.type, weights.dtype):
             model = _int8_linears(model)
         return drafter_adapter(model, self.target_dictionary)
 
@@ -481,8 +482,9 @@ def _with_mask(dictionary):
 INT8_LAYERS = ("fc1", "fc2", "output_projection")
 
 
-def _drafts_in_int8(model, precision: str) -> bool:
-    """Whether the drafter's layers go to int8: asked for, or ``auto`` on the CPU in fp32, where
+def drafts_in_int8(precision: str, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a drafter whose weights are on ``device_type`` in ``dtype`` runs its layers in
+    int8: asked for, or ``auto`` on the CPU in fp32, where
     int8 drafts cost about 0.1 greedy steps less per iteration for the same acceptance
     (BENCHMARKS.md). Not the default: with activation scales per call, a sentence's drafts (and
     so its top-beta/tau output) would depend on the batch it is decoded in."""
@@ -490,8 +492,7 @@ def _drafts_in_int8(model, precision: str) -> bool:
         raise SpecNmtError(
             f"--drafter-precision must be auto, fp32 or int8, got {precision!r}"
         )
-    weights = next(model.parameters())
-    cpu_fp32 = weights.device.type == "cpu" and weights.dtype == torch.float32
+    cpu_fp32 = device_type == "cpu" and dtype == torch.float32
     if precision == "int8" and not cpu_fp32:
         raise SpecNmtError(
             "--drafter-precision int8 runs on the CPU in fp32 only (add --cpu, drop --fp16)"
