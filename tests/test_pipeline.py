@@ -218,6 +218,15 @@ def test_exported_models_are_fp16_without_optimizer_state(pipeline, model):
         assert (model_dir / name).stat().st_size < 0.6 * fp32_bytes
     for name in ("dict.de.txt", "dict.en.txt", "spm.model"):
         assert (model_dir / name).is_file()
+    # the drafter drafts over the symbols of the training targets (the default size is larger
+    # than the toy vocabulary); the verifier scores every symbol
+    vocabulary = torch.load(model_dir / "drafter.pt", weights_only=True)["draft_vocabulary"]
+    targets = data_utils.load_indexed_dataset(
+        str(pipeline["data"] / "bin" / "train.de-en.en"), None
+    )
+    used = torch.unique(torch.cat([targets[i] for i in range(len(targets))]))
+    assert torch.equal(vocabulary, used)
+    assert "draft_vocabulary" not in torch.load(model_dir / "verifier.pt", weights_only=True)
 
 
 @pytest.mark.parametrize("model", ["model", "cached_model", "states_model"])

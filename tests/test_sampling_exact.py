@@ -1,11 +1,13 @@
 """Exactness, statistically: the first two output tokens (joint) of speculative sampling and of
-RSD (both tree kinds) with both drafter kinds are distributed exactly as sampling from the
-verifier; a broken acceptance rule fails the same chi-square test.
+RSD (both tree kinds) with both drafter kinds (the NAR one also over a draft vocabulary) are
+distributed exactly as sampling from the verifier; a broken acceptance rule fails the same
+chi-square test.
 
 Small random Transformers over a 9-symbol vocabulary, made here. The verifier's embeddings are
 scaled up so that its distributions are peaked; the drafters' are flatter, so that many drafts
 are accepted and many rejected."""
 
+import copy
 from argparse import Namespace
 from types import SimpleNamespace
 
@@ -18,7 +20,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.decoding import rules as rules_module
 from spec_nmt.decoding import tree as tree_module
-from spec_nmt.decoding.drafters import ArDrafter, NarDrafter
+from spec_nmt.decoding.drafters import ArDrafter, NarDrafter, restrict_output
 from spec_nmt.decoding.settings import DecodingSettings
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
@@ -74,11 +76,17 @@ def models():
     spec_drafter_architecture(args)
     nar_drafter = peaked(SpecDrafterModel.build_model(args, task), scale=1.0)
     pad, eos = dictionary.pad(), dictionary.eos()
+    # a draft vocabulary without <unk>, w3 and w4: the verifier's samples of those come from
+    # the residual only
+    restricted_drafter = copy.deepcopy(nar_drafter)
+    vocabulary = torch.tensor([eos, 4, 5, 6])
+    restrict_output(restricted_drafter.decoder, vocabulary)
     return {
         "dictionary": dictionary,
         "verifier": verifier,
         "ar": ArDrafter(ar_drafter, pad, eos),
         "nar": NarDrafter(nar_drafter, pad, eos),
+        "nar-vocabulary": NarDrafter(restricted_drafter, pad, eos, vocabulary),
     }
 
 
@@ -124,7 +132,7 @@ def speculative(models, drafter, rule, seed=0, topk=-1):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("drafter", ["nar", "ar"])
+@pytest.mark.parametrize("drafter", ["nar", "ar", "nar-vocabulary"])
 @pytest.mark.parametrize("rule", ["sampling", "rsd-c", "rsd-s"])
 def test_first_two_tokens_follow_the_verifier(models, drafter, rule):
     generator = speculative(models, drafter, rule)

@@ -4,6 +4,9 @@ a tree too, see tree.py). Every drafter keeps the ``Drafter`` contract below.
 * ``NarDrafter``: the non-autoregressive Spec-Drafter. One decoder pass over
   ``BOS + prefix + k [MASK]`` gives a distribution per block position; the node at depth d draws
   its children from position d+1's distribution, whatever its ancestors are.
+  Both NAR drafters may draft over a *draft vocabulary* (``restrict_output``): the target
+  symbols their training data uses most, so that the output projection, the largest matrix a
+  drafter reads per iteration, has only those rows.
 * ``CachedDrafter``: the cached drafter, NAR on the verifier's encoder output with a cached
   causal prefix.
 * ``ArDrafter``: an ordinary fairseq Transformer. Drafting feeds one tree level per step on its
@@ -173,6 +176,23 @@ def grow_tree(
     )
 
 
+def output_size(decoder) -> int:
+    """Columns of a decoder's output projection (fp32 or dynamically quantized)."""
+    return decoder.output_projection.out_features
+
+
+def restrict_output(decoder, vocabulary: Tensor) -> None:
+    """Keep only the rows of ``vocabulary`` (ascending symbol ids) in a NAR drafter decoder's
+    output projection, in place. Ascending ids break ties between equal logits as the whole
+    projection would, so a best token inside the vocabulary stays the one drafted."""
+    weight = decoder.output_projection.weight
+    projection = torch.nn.Linear(weight.size(1), vocabulary.numel(), bias=False,
+                                 device=weight.device, dtype=weight.dtype)  # fmt: skip
+    with torch.no_grad():
+        projection.weight.copy_(weight.index_select(0, vocabulary.to(weight.device)))
+    decoder.output_projection = projection
+
+
 class NarDrafter:
     """The non-autoregressive Spec-Drafter: one decoder pass fills k ``[MASK]`` positions.
 
@@ -182,12 +202,17 @@ class NarDrafter:
 
     reads_verifier_states = False
 
-    def __init__(self, model, pad: int, eos: int):
+    def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
+        """``vocabulary``: the ascending symbol ids that ``restrict_output`` left the model's
+        output projection (None: every symbol of the verifier's dictionary)."""
         self.model = model
         self.mask = model.decoder.mask_idx
         if self.mask != len(model.decoder.dictionary) - 1:
             raise ValueError("the Spec-Drafter's [MASK] must be its dictionary's last symbol")
+        if vocabulary is not None and output_size(model.decoder) != vocabulary.numel():
+            raise ValueError("the drafter's output projection was not restricted to its vocabulary")
         self.pad, self.eos = pad, eos
+        self.vocabulary = vocabulary
 
     def max_positions(self) -> int:
         return self.model.decoder.max_positions()
@@ -199,27 +224,42 @@ class NarDrafter:
         return self.model.encoder.forward_torchscript(net_input)
 
     def position_logits(self, encoder_out: Dict, tokens: Tensor, lengths: Tensor, k: int):
-        """Float logits [B, k, V] (PAD excluded) at the k masks after each row's
-        ``tokens[b, :lengths[b] + 1]`` (BOS + verified prefix). ``tokens`` must be at least
-        ``lengths.max() + 1 + k`` wide."""
+        """Float logits [B, k, D] over the draft columns (``_draft_columns``) at the k masks
+        after each row's ``tokens[b, :lengths[b] + 1]`` (BOS + verified prefix). ``tokens``
+        must be at least ``lengths.max() + 1 + k`` wide."""
         decoder_input = masked_input(tokens, lengths + 1, k, self.mask, self.pad)
         logits, _ = self.model.decoder(decoder_input, encoder_out)  # at the masks only
-        # [MASK] is the drafter's last symbol, appended to the verifier's dictionary: dropping
-        # its column leaves distributions over exactly the verifier's vocabulary.
-        return self._over_verifier_vocabulary(logits)
+        return self._draft_columns(logits)
 
-    def _over_verifier_vocabulary(self, logits: Tensor) -> Tensor:
+    def _draft_columns(self, logits: Tensor) -> Tensor:
+        """The columns a draft may take: the vocabulary's, or without a vocabulary the
+        verifier's symbols except PAD ([MASK] is the drafter's last symbol, appended to the
+        verifier's dictionary: dropping its column leaves exactly the verifier's)."""
+        if self.vocabulary is not None:  # neither PAD nor [MASK] is in it
+            return logits.float()
         logits = logits[:, :, : self.mask].float()
         logits[:, :, self.pad] = float("-inf")
         return logits
+
+    def _over_verifier_vocabulary(self, logprobs: Tensor) -> Tensor:
+        """[B, k, D] over the draft columns -> [B, k, V] over the verifier's symbols (-inf for
+        the symbols outside the vocabulary)."""
+        if self.vocabulary is None:
+            return logprobs
+        full = logprobs.new_full((*logprobs.shape[:2], self.mask), float("-inf"))
+        full[:, :, self.vocabulary] = logprobs
+        return full
 
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
         depth = plan.depth
         logits = self.position_logits(state, tokens, lengths, depth)
         if plan.is_chain and not plan.sample:  # each position's best token: no tree to grow
             # max's indices, not argmax: the same token, 2.5x faster over 8k columns on CPU
-            return greedy_chain(logits.max(dim=-1).indices, self.eos)
-        logprobs = torch.log_softmax(logits, dim=-1)
+            best = logits.max(dim=-1).indices
+            if self.vocabulary is not None:
+                best = self.vocabulary[best]
+            return greedy_chain(best, self.eos)
+        logprobs = self._over_verifier_vocabulary(torch.log_softmax(logits, dim=-1))
 
         def expand(level_tokens: Tensor, _visible, level_depth: int) -> Tensor:
             if depth == 0:  # no drafts at all (position limit): no distribution is needed
@@ -255,8 +295,8 @@ class CachedDrafter(NarDrafter):
     other, dropped again), on the verifier's block scorer. With --verifier-states the committed
     entries also get the verifier's states that ``commit`` receives."""
 
-    def __init__(self, model, pad: int, eos: int):
-        super().__init__(model, pad, eos)
+    def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
+        super().__init__(model, pad, eos, vocabulary)
         self.scorer = TransformerVerifier(
             model, role="the cached drafter (--drafter-path)", drafter=True
         )
@@ -275,7 +315,7 @@ class CachedDrafter(NarDrafter):
         return CachedDrafterState(cache, prefix_input)
 
     def position_logits(self, state: CachedDrafterState, tokens: Tensor, lengths: Tensor, k: int):
-        """Float logits [B, k, V] (PAD excluded) at the k masks after each row's
+        """Float logits [B, k, D] over the draft columns at the k masks after each row's
         ``tokens[b, :lengths[b] + 1]``; the prefix entries not yet in the cache join it."""
         fed = state.cache.fed_lengths
         n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
@@ -307,7 +347,7 @@ class CachedDrafter(NarDrafter):
         logits = self.scorer.score_logits(state.cache, block, depths, visible, outputs=k,
                                           added_input=added)  # fmt: skip
         self.scorer.commit(state.cache, None, n_new)
-        return self._over_verifier_vocabulary(logits)
+        return self._draft_columns(logits)
 
     def _visibility_pattern(self, width: int, k: int, device: torch.device) -> Tensor:
         """[1, width + k, width + k]: ``width`` new prefix entries, causal, then k masks that

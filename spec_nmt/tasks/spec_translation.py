@@ -28,7 +28,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from spec_nmt.checkpoint_loading import model_config
-from spec_nmt.decoding.drafters import ArDrafter, CachedDrafter, NarDrafter
+from spec_nmt.decoding.drafters import ArDrafter, CachedDrafter, NarDrafter, restrict_output
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.decoding.rules import RULES
@@ -390,8 +390,7 @@ class SpecTranslationTask(TranslationTask):
         state = _read_checkpoint("--drafter-path", path)
         arch = _checkpoint_arch(state)
         autoregressive = arch is not None and arch.startswith("transformer")
-        drafter_arch = arch is not None and arch.startswith(("spec_drafter", "cached_drafter"))
-        if not (drafter_arch or autoregressive):
+        if not (drafts_masks(state) or autoregressive):
             raise SpecNmtError(
                 f"--drafter-path {path} is neither a Spec-Drafter, a cached drafter nor a "
                 f"Transformer checkpoint (arch {arch}); train one with --task spec_translation "
@@ -406,15 +405,19 @@ class SpecTranslationTask(TranslationTask):
                     f"dictionary in {self.cfg.data} has {len(self.target_dictionary)}: drafter "
                     "and verifier must share the data directory's dictionary"
                 )
+        vocabulary = draft_vocabulary(state, path, self.target_dictionary, autoregressive)
         model = self._load_beside(path, state, verifier_model)
         if isinstance(model, CachedDrafterModel):
             model.check_verifier_matches(verifier_model)
             # its copy of the verifier's decoder only trains: decoding reads the verifier's states
             model.verifier_decoder = None
         weights = next(model.parameters())
+        if vocabulary is not None:  # before int8, which then quantizes the smaller projection
+            vocabulary = vocabulary.to(weights.device)
+            restrict_output(model.decoder, vocabulary)
         if drafts_in_int8(self.cfg.drafter_precision, weights.device.type, weights.dtype):
             model = _int8_linears(model)
-        return drafter_adapter(model, self.target_dictionary)
+        return drafter_adapter(model, self.target_dictionary, vocabulary)
 
     def get_interactive_tokens_and_lengths(self, lines, encode_fn):
         """Encode input lines; a line longer than the models accept is cut to fit (with a
@@ -456,16 +459,45 @@ def _read_checkpoint(flag: str, path: str):
     return checkpoint_utils.load_checkpoint_to_cpu(path)
 
 
-def drafter_adapter(model, dictionary):
-    """The decoding loop's adapter for a drafter model: cached drafter, Spec-Drafter, or any
-    other fairseq translation model as an autoregressive drafter."""
+def drafter_adapter(model, dictionary, vocabulary: Optional[torch.Tensor] = None):
+    """The decoding loop's adapter for a drafter model: cached drafter, Spec-Drafter (over
+    ``vocabulary`` when given, see draft_vocabulary), or any other fairseq translation model as
+    an autoregressive drafter."""
+    pad, eos = dictionary.pad(), dictionary.eos()
     if isinstance(model, CachedDrafterModel):
-        adapter = CachedDrafter
-    elif isinstance(model, SpecDrafterModel):
-        adapter = NarDrafter
-    else:
-        adapter = ArDrafter
-    return adapter(model, pad=dictionary.pad(), eos=dictionary.eos())
+        return CachedDrafter(model, pad, eos, vocabulary)
+    if isinstance(model, SpecDrafterModel):
+        return NarDrafter(model, pad, eos, vocabulary)
+    return ArDrafter(model, pad, eos)
+
+
+# The checkpoint key of a NAR drafter's draft vocabulary (scripts/export_model.py writes it).
+DRAFT_VOCABULARY_KEY = "draft_vocabulary"
+
+
+def draft_vocabulary(state, path: str, dictionary, autoregressive: bool) -> Optional[torch.Tensor]:
+    """The ascending target symbol ids a drafter checkpoint drafts over (None: all of them),
+    checked against the target ``dictionary``: every id a symbol of it, EOS among them, PAD
+    not."""
+    vocabulary = state.get(DRAFT_VOCABULARY_KEY)
+    if vocabulary is None:
+        return None
+    problem = None
+    if autoregressive:
+        problem = "only the Spec-Drafter and the cached drafter draft over a vocabulary"
+    elif not isinstance(vocabulary, torch.Tensor) or vocabulary.dim() != 1 or (
+        vocabulary.is_floating_point() or vocabulary.numel() == 0
+    ):
+        problem = "it must be a non-empty 1-d tensor of symbol ids"
+    elif not bool((vocabulary[1:] > vocabulary[:-1]).all()):
+        problem = "its ids must be ascending and distinct"
+    elif int(vocabulary[0]) < 0 or int(vocabulary[-1]) >= len(dictionary):
+        problem = f"its ids must be symbols of the {len(dictionary)}-symbol target dictionary"
+    elif dictionary.pad() in vocabulary.tolist() or dictionary.eos() not in vocabulary.tolist():
+        problem = "it must hold EOS and not PAD"
+    if problem:
+        raise SpecNmtError(f"--drafter-path {path}: bad {DRAFT_VOCABULARY_KEY}: {problem}")
+    return vocabulary.long()
 
 
 def _with_mask(dictionary):
@@ -526,6 +558,12 @@ def _fit_width(tokens, width: int, pad: int):
         return tokens[:, :width]
     filler = tokens.new_full((tokens.size(0), width - tokens.size(1)), pad)
     return torch.cat([tokens, filler], dim=1)
+
+
+def drafts_masks(state) -> bool:
+    """Whether a checkpoint is a NAR drafter: a Spec-Drafter or a cached drafter."""
+    arch = _checkpoint_arch(state)
+    return arch is not None and arch.startswith(("spec_drafter", "cached_drafter"))
 
 
 def _checkpoint_arch(state) -> Optional[str]:
