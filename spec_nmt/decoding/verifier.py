@@ -25,6 +25,7 @@ import torch
 from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor
 
+from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models import block_forward
 from spec_nmt.models.spec_drafter import SpecDrafterModel
@@ -69,9 +70,10 @@ class TransformerVerifier:
     """Wraps a fairseq ``TransformerModel`` (any checkpoint trained with ``--task translation``)."""
 
     def __init__(self, model, temperature: float = 1.0, role: str = "the verifier (--path)",
-                 drafter: bool = False):  # fmt: skip
+                 drafter: bool = False, project: Optional[PackedLinears] = None):  # fmt: skip
         """``role`` names the model in errors; ``drafter``: it scores blocks for a drafter (a
-        cached drafter is a Spec-Drafter model, which is refused as a verifier)."""
+        cached drafter is a Spec-Drafter model, which is refused as a verifier); ``project``:
+        the decoder's packed linear layers, when packed before (packing takes a few ms)."""
         if not drafter and isinstance(model, SpecDrafterModel):
             raise SpecNmtError(
                 f"{role} is a Spec-Drafter, not a verifier: the verifier is the Transformer "
@@ -92,6 +94,8 @@ class TransformerVerifier:
         self.decoder = decoder
         self.temperature = temperature
         self._position_table: Optional[Tensor] = None
+        # the decoder's linear layers with prepacked weights (blocks of a few entries per row)
+        self.project = project or PackedLinears(decoder)
 
     def max_positions(self) -> int:
         return self.decoder.max_positions()
@@ -110,7 +114,8 @@ class TransformerVerifier:
             encoder_out = self.encode(net_input)
         encoded = encoder_out["encoder_out"][0]  # [source length, B, C]
         return VerifierState(encoded.size(1), encoded.device,
-                             *block_forward.encoder_keys_values(self.decoder, encoder_out))
+                             *block_forward.encoder_keys_values(self.decoder, encoder_out,
+                                                                self.project))  # fmt: skip
 
     def score_logits(
         self,
@@ -174,20 +179,23 @@ class TransformerVerifier:
             keys, values = state.keys[i], state.values[i]
 
             def attention(attn, x: Tensor) -> Tensor:
-                write(keys, block_forward.split_heads(attn.k_proj(x), attn.num_heads))
-                write(values, block_forward.split_heads(attn.v_proj(x), attn.num_heads))
-                query = block_forward.split_heads(attn.q_proj(x), attn.num_heads)
+                heads = attn.num_heads
+                write(keys, block_forward.split_heads(self.project(attn.k_proj, x), heads))
+                write(values, block_forward.split_heads(self.project(attn.v_proj, x), heads))
+                query = block_forward.split_heads(self.project(attn.q_proj, x), heads)
                 seen_keys, seen_values = keys[:, :, :span], values[:, :, :span]
-                return block_forward.attend(attn, query, seen_keys, seen_values, bias)
+                return block_forward.attend(attn, query, seen_keys, seen_values, bias,
+                                            self.project)  # fmt: skip
 
             return attention
 
         x = block_forward.layers(dec, x, self_attention, state.encoder_keys, state.encoder_values,
-                                 state.encoder_bias)  # fmt: skip
+                                 state.encoder_bias, self.project)  # fmt: skip
         state.block_states = x
         if outputs is not None:
             x = x[:, width - outputs :]
-        logits = dec.output_layer(x).float()
+        # the decoder's output_layer without an adaptive softmax (check_supported)
+        logits = self.project(dec.output_projection, x).float()
         if self.temperature != 1.0:
             logits.div_(self.temperature)
         state.uncommitted = entries

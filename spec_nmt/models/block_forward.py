@@ -13,12 +13,20 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from spec_nmt.errors import SpecNmtError
 
 # (layer's self-attention module, block queries' input [W, B, C]) -> attention output [W, B, C]
 SelfAttention = Callable[[object, Tensor], Tensor]
+# (linear layer, input) -> its output: how the forward applies the decoder's linear layers
+# (decoding passes spec_nmt.decoding.linears.PackedLinears)
+Project = Callable[[nn.Module, Tensor], Tensor]
+
+
+def plain(linear: nn.Module, x: Tensor) -> Tensor:
+    """A linear layer called as it is (training)."""
+    return linear(x)
 
 
 def check_supported(decoder, role: str) -> None:
@@ -54,17 +62,18 @@ def additive_mask(seen: Tensor, dtype: torch.dtype) -> Tensor:
     return bias.masked_fill(~seen, float("-inf")).unsqueeze(1)
 
 
-def attend(attn, query: Tensor, keys: Tensor, values: Tensor, bias: Optional[Tensor]) -> Tensor:
+def attend(attn, query: Tensor, keys: Tensor, values: Tensor, bias: Optional[Tensor],
+           project: Project = plain) -> Tensor:  # fmt: skip
     """Scaled dot-product attention of fairseq ``MultiheadAttention`` ``attn`` on split heads,
     with its scaling and (in training) its attention dropout; returns [T, B, C] after out_proj."""
     dropout = attn.dropout_module.p if attn.training else 0.0
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, dropout_p=dropout,
                                          scale=attn.scaling)  # fmt: skip
-    return attn.out_proj(merge_heads(out))
+    return project(attn.out_proj, merge_heads(out))
 
 
 def encoder_keys_values(
-    decoder, encoder_out
+    decoder, encoder_out, project: Project = plain
 ) -> Tuple[List[Tensor], List[Tensor], Optional[Tensor]]:
     """Every layer's encoder-attention keys and values [B, heads, S, head_dim] (layers without
     encoder attention have none) and the source padding as an additive mask [B, 1, 1, S]."""
@@ -73,8 +82,8 @@ def encoder_keys_values(
     for layer in decoder.layers:
         attn = layer.encoder_attn
         if attn is not None:
-            keys.append(split_heads(attn.k_proj(enc), attn.num_heads).contiguous())
-            values.append(split_heads(attn.v_proj(enc), attn.num_heads).contiguous())
+            keys.append(split_heads(project(attn.k_proj, enc), attn.num_heads).contiguous())
+            values.append(split_heads(project(attn.v_proj, enc), attn.num_heads).contiguous())
     padding = encoder_out["encoder_padding_mask"]
     bias = None
     if len(padding) > 0 and padding[0].any():
@@ -119,7 +128,7 @@ def embed(decoder, tokens: Tensor, positions: Tensor, table: Optional[Tensor] = 
 
 def layers(decoder, x: Tensor, self_attention: Callable[[int], SelfAttention],
            encoder_keys: List[Tensor], encoder_values: List[Tensor],
-           encoder_bias: Optional[Tensor]) -> Tensor:  # fmt: skip
+           encoder_bias: Optional[Tensor], project: Project = plain) -> Tensor:  # fmt: skip
     """Every decoder layer over x [W, B, C], layer i's self-attention given by
     ``self_attention(i)``, then the decoder's final norm: features [B, W, C]."""
     encoder_layer = 0
@@ -128,16 +137,17 @@ def layers(decoder, x: Tensor, self_attention: Callable[[int], SelfAttention],
         if layer.encoder_attn is not None and encoder_keys:
             encoder_kv = (encoder_keys[encoder_layer], encoder_values[encoder_layer])
             encoder_layer += 1
-        x = _layer(layer, x, self_attention(i), encoder_kv, encoder_bias)
+        x = _layer(layer, x, self_attention(i), encoder_kv, encoder_bias, project)
     if decoder.layer_norm is not None:
         x = decoder.layer_norm(x)
     x = x.transpose(0, 1)
     if decoder.project_out_dim is not None:
-        x = decoder.project_out_dim(x)
+        x = project(decoder.project_out_dim, x)
     return x
 
 
-def _layer(layer, x: Tensor, self_attention: SelfAttention, encoder_kv, encoder_bias) -> Tensor:
+def _layer(layer, x: Tensor, self_attention: SelfAttention, encoder_kv, encoder_bias,
+           project: Project) -> Tensor:  # fmt: skip
     """One stock ``TransformerDecoderLayerBase`` over x [W, B, C]."""
     residual = x
     if layer.normalize_before:
@@ -157,7 +167,8 @@ def _layer(layer, x: Tensor, self_attention: SelfAttention, encoder_kv, encoder_
         if layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
         attn = layer.encoder_attn
-        x = attend(attn, split_heads(attn.q_proj(x), attn.num_heads), *encoder_kv, encoder_bias)
+        query = split_heads(project(attn.q_proj, x), attn.num_heads)
+        x = attend(attn, query, *encoder_kv, encoder_bias, project)
         x = layer.residual_connection(layer.dropout_module(x), residual)
         if not layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
@@ -165,10 +176,10 @@ def _layer(layer, x: Tensor, self_attention: SelfAttention, encoder_kv, encoder_
     residual = x
     if layer.normalize_before:
         x = layer.final_layer_norm(x)
-    x = layer.activation_dropout_module(layer.activation_fn(layer.fc1(x)))
+    x = layer.activation_dropout_module(layer.activation_fn(project(layer.fc1, x)))
     if layer.ffn_layernorm is not None:
         x = layer.ffn_layernorm(x)
-    x = layer.dropout_module(layer.fc2(x))
+    x = layer.dropout_module(project(layer.fc2, x))
     if layer.w_resid is not None:
         residual = torch.mul(layer.w_resid, residual)
     x = layer.residual_connection(x, residual)

@@ -18,6 +18,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Optional
+from weakref import WeakKeyDictionary
 
 import torch
 from fairseq import checkpoint_utils, metrics
@@ -30,6 +31,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from spec_nmt.checkpoint_loading import model_config
 from spec_nmt.decoding.drafters import ArDrafter, CachedDrafter, NarDrafter, restrict_output
 from spec_nmt.decoding.generator import SpeculativeGenerator
+from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.settings import DEFAULT_TREE_BRANCHING, DEFAULTS, DecodingSettings
@@ -172,6 +174,9 @@ class SpecTranslationTask(TranslationTask):
         self._drafter_dicts = None
         self._source_token_limit = None
         self._acceptance_verifier = None
+        self._packed_verifiers: "WeakKeyDictionary[torch.nn.Module, PackedLinears]" = (
+            WeakKeyDictionary()
+        )
 
     # ----- dictionaries -------------------------------------------------------------------
     def drafter_dictionaries(self):
@@ -378,9 +383,14 @@ class SpecTranslationTask(TranslationTask):
         )
 
     def generator_for(self, verifier_model, drafter, settings: DecodingSettings):
-        """The speculative generator for ``settings`` over these models."""
+        """The speculative generator for ``settings`` over these models. The verifier's linear
+        layers are packed once per model (verifiers do not change while they decode)."""
         self._source_token_limit = self.source_token_limit(verifier_model, drafter)
-        verifier = TransformerVerifier(verifier_model, temperature=settings.temperature)
+        project = self._packed_verifiers.get(verifier_model)
+        if project is None:
+            project = self._packed_verifiers[verifier_model] = PackedLinears(verifier_model.decoder)
+        verifier = TransformerVerifier(verifier_model, temperature=settings.temperature,
+                                       project=project)  # fmt: skip
         return SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings)
 
     def load_drafter(self, path: str, verifier_model):
