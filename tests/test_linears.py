@@ -1,15 +1,17 @@
 """Prepacked fp32 linear layers (spec_nmt/decoding/linears.py): the same products as the layers'
-own, packed when they are made, bypassed where the default kernel is faster or a gradient is
-needed, and packed once per verifier by the task."""
+own, packed when they are made, bypassed where a gradient is needed, packed once per verifier by
+the task; the encoder forward that uses them gives the stock encoder's output."""
 
 import pytest
 import torch
 from torch import nn
 
-from spec_nmt.decoding.linears import PACKED_FROM, PackedLinears, packing_available
+from spec_nmt.decoding.linears import PackedLinears, packing_available
 from spec_nmt.decoding.settings import DEFAULTS
+from spec_nmt.models import block_forward
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BUNDLED_MODEL_DIR
+from tests.test_verifier_cache import DECODER_VARIANTS, source_batch, tiny_transformer
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
 
@@ -31,10 +33,8 @@ def test_packed_products_are_the_layers_own():
     # 3-d and not contiguous, as the decoder's [W, B, C] features after a transpose
     x = torch.randn(4, 3, 1024).transpose(0, 1)
     torch.testing.assert_close(project(narrow, x), narrow(x), rtol=1e-5, atol=1e-5)
-    # a small product goes to the layer itself: bit for bit its output
-    x = torch.randn(4, 8)
-    assert 4 * small.weight.numel() < PACKED_FROM
-    assert torch.equal(project(small, x), small(x))
+    x = torch.randn(1, 8)
+    torch.testing.assert_close(project(small, x), small(x), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
@@ -65,3 +65,23 @@ def test_the_task_packs_a_verifier_once():
     second = task.generator_for(verifier, translator.drafter, DEFAULTS.replace(temperature=0.5))
     assert second.verifier.project is first
     assert first.weights[verifier.decoder.output_projection] is not None
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", list(DECODER_VARIANTS))
+def test_the_encoder_forward_gives_the_stock_encoders_output(variant):
+    """Every encoder shape of the verifier variants (pre-norm, layernorm-embedding, learned or no
+    positions, ...), a left-padded batch: the same output at every real token, the same padding
+    and lengths, with the packed products and with the layers' own."""
+    model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
+    assert block_forward.encoder_supported(model.encoder)
+    net_input = source_batch(dictionary, 3)
+    stock = model.encoder.forward_torchscript(net_input)
+    real = ~stock["encoder_padding_mask"][0].t().unsqueeze(2)  # [S, B, 1]
+    for project in (PackedLinears(model), block_forward.plain):
+        ours = block_forward.encode(model.encoder, net_input["src_tokens"], project)
+        assert set(ours) == set(stock)
+        difference = (ours["encoder_out"][0] - stock["encoder_out"][0]) * real
+        assert difference.abs().max() < 1e-5
+        for key in ("encoder_padding_mask", "encoder_embedding", "src_lengths"):
+            assert torch.equal(ours[key][0], stock[key][0]), key

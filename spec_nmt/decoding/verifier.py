@@ -73,7 +73,7 @@ class TransformerVerifier:
                  drafter: bool = False, project: Optional[PackedLinears] = None):  # fmt: skip
         """``role`` names the model in errors; ``drafter``: it scores blocks for a drafter (a
         cached drafter is a Spec-Drafter model, which is refused as a verifier); ``project``:
-        the decoder's packed linear layers, when packed before (packing takes a few ms)."""
+        the model's packed linear layers, when packed before (packing takes a few ms)."""
         if not drafter and isinstance(model, SpecDrafterModel):
             raise SpecNmtError(
                 f"{role} is a Spec-Drafter, not a verifier: the verifier is the Transformer "
@@ -94,15 +94,19 @@ class TransformerVerifier:
         self.decoder = decoder
         self.temperature = temperature
         self._position_table: Optional[Tensor] = None
-        # the decoder's linear layers with prepacked weights (blocks of a few entries per row)
-        self.project = project or PackedLinears(decoder)
+        # the model's linear layers with prepacked weights (blocks of a few entries per row)
+        self.project = project or PackedLinears(model)
 
     def max_positions(self) -> int:
         return self.decoder.max_positions()
 
     def encode(self, net_input: Dict[str, Tensor]) -> Dict:
-        """The encoder output for the batch (fairseq's ``encoder_out`` dict)."""
-        return self.model.encoder.forward_torchscript(net_input)
+        """The encoder output for the batch (fairseq's ``encoder_out`` dict), with the packed
+        products where the encoder is a stock Transformer one."""
+        encoder = self.model.encoder
+        if block_forward.encoder_supported(encoder):
+            return block_forward.encode(encoder, net_input["src_tokens"], self.project)
+        return encoder.forward_torchscript(net_input)
 
     def start(
         self, net_input: Dict[str, Tensor], encoder_out: Optional[Dict] = None

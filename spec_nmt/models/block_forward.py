@@ -1,5 +1,6 @@
 """A stock fairseq ``TransformerDecoderBase`` run over a block of entries with explicit positions
-and any per-row visibility between them, through the decoder's own modules.
+and any per-row visibility between them, through the decoder's own modules; and the stock
+encoder's forward, so that decoding can run both with its packed linear products (``project``).
 
 fairseq's decoder knows two attention patterns, causal (training, incremental decoding) and full
 (``full_context_alignment``), each the same for every row. Block scoring on a cache (the verifier
@@ -9,10 +10,12 @@ need a per-row mask, so these functions redo the decoder's forward with
 Training (the cached drafter) and decoding share them, so both see the same arithmetic.
 """
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from fairseq.models.transformer import TransformerEncoderBase
+from fairseq.modules.transformer_layer import TransformerEncoderLayer, TransformerEncoderLayerBase
 from torch import Tensor, nn
 
 from spec_nmt.errors import SpecNmtError
@@ -27,6 +30,59 @@ Project = Callable[[nn.Module, Tensor], Tensor]
 def plain(linear: nn.Module, x: Tensor) -> Tensor:
     """A linear layer called as it is (training)."""
     return linear(x)
+
+
+def encoder_supported(encoder) -> bool:
+    """Whether ``encode`` reproduces this encoder's forward (a fairseq Transformer encoder whose
+    layers are stock ones with plain self-attention); else the stock forward runs."""
+    if not isinstance(encoder, TransformerEncoderBase):
+        return False
+    for layer in encoder.layers:
+        attn = getattr(layer, "self_attn", None)
+        if type(layer) not in (TransformerEncoderLayerBase, TransformerEncoderLayer) or (
+            attn.bias_k is not None or attn.add_zero_attn or getattr(layer, "return_fc", False)
+        ):
+            return False
+    return True
+
+
+def encode(encoder, src_tokens: Tensor, project: Project = plain) -> Dict[str, List[Tensor]]:
+    """The stock encoder's output for ``src_tokens`` (fairseq's ``encoder_out`` dict), its
+    layers run with ``project`` for their linear layers (the decoding loop's packed products):
+    the embedding as the encoder does it, then per layer the self-attention over the
+    non-padding tokens and the feed-forward block, each with its residual and norm."""
+    padding = src_tokens.eq(encoder.padding_idx)
+    has_pads = bool(padding.any())
+    x, embedding = encoder.forward_embedding(src_tokens)
+    if has_pads:
+        x = x * (1 - padding.unsqueeze(-1).type_as(x))
+    x = x.transpose(0, 1)  # [S, B, C]
+    bias = additive_mask(~padding.unsqueeze(1), x.dtype) if has_pads else None
+    for layer in encoder.layers:
+        residual = x
+        if layer.normalize_before:
+            x = layer.self_attn_layer_norm(x)
+        attn = layer.self_attn
+        query, keys, values = (
+            split_heads(project(module, x), attn.num_heads)
+            for module in (attn.q_proj, attn.k_proj, attn.v_proj)
+        )
+        x = layer.residual_connection(attend(attn, query, keys, values, bias, project), residual)
+        if not layer.normalize_before:
+            x = layer.self_attn_layer_norm(x)
+        residual = x
+        if layer.normalize_before:
+            x = layer.final_layer_norm(x)
+        x = project(layer.fc2, layer.activation_fn(project(layer.fc1, x)))
+        x = layer.residual_connection(x, residual)
+        if not layer.normalize_before:
+            x = layer.final_layer_norm(x)
+    if encoder.layer_norm is not None:
+        x = encoder.layer_norm(x)
+    lengths = (~padding).sum(dim=1, dtype=torch.int32).reshape(-1, 1)
+    return {"encoder_out": [x], "encoder_padding_mask": [padding],
+            "encoder_embedding": [embedding], "encoder_states": [], "fc_results": [],
+            "src_tokens": [], "src_lengths": [lengths]}  # fmt: skip
 
 
 def check_supported(decoder, role: str) -> None:

@@ -388,7 +388,7 @@ class SpecTranslationTask(TranslationTask):
         self._source_token_limit = self.source_token_limit(verifier_model, drafter)
         project = self._packed_verifiers.get(verifier_model)
         if project is None:
-            project = self._packed_verifiers[verifier_model] = PackedLinears(verifier_model.decoder)
+            project = self._packed_verifiers[verifier_model] = PackedLinears(verifier_model)
         verifier = TransformerVerifier(verifier_model, temperature=settings.temperature,
                                        project=project)  # fmt: skip
         return SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings)
