@@ -276,7 +276,11 @@ def test_benchmark_ceiling_mode_accepts_every_oracle_draft(pipeline, tmp_path):
     for batch in (1, 4):
         oracle = rows[(batch, "spec lossless, oracle drafter")]
         real = rows[(batch, "spec lossless, real drafter")]
+        own_greedy = rows[(batch, "spec-nmt greedy (no drafts)")]
         assert oracle["identical_to_greedy"] == real["identical_to_greedy"] == 12
+        # the loop without drafts: greedy decoding, one token per verifier call
+        assert own_greedy["identical_to_greedy"] == 12
+        assert own_greedy["tokens_per_verifier_call"] == 1
         # every draft accepted: k accepted + 1 bonus token per iteration, less at sentence ends
         assert oracle["tokens_per_verifier_call"] > max(real["tokens_per_verifier_call"], 3)
         assert oracle["draft_greedy_steps"] < real["draft_greedy_steps"]
