@@ -336,24 +336,6 @@ class OracleDrafter:
         state["outputs"] = state["outputs"].index_select(0, rows)
 
 
-class NoDrafter(OracleDrafter):
-    """A drafter that proposes nothing: the loop then decodes greedily, one verifier entry per
-    step, on the same block scorer and packed products as speculative decoding. Against it the
-    speed-up is what drafting itself earns, apart from faster products."""
-
-    def __init__(self, max_positions: int):
-        super().__init__({}, 0, 0, max_positions)
-
-    def start(self, net_input, verifier_encoder_out):
-        return {}
-
-    def propose(self, state, tokens, lengths, plan, generator):
-        return chain(tokens.new_zeros(tokens.size(0), 0))
-
-    def select_rows(self, state, rows):
-        """Nothing per row."""
-
-
 class PhaseTimer:
     """Seconds spent in each phase of the speculative loop, by wrapping the methods that make up
     each phase on one generator and its verifier and drafter."""
@@ -410,9 +392,8 @@ def ceiling(args):
         oracle = pair.generator(block_size=args.block)
         oracle.drafter = OracleDrafter(continuations, dictionary.pad(), dictionary.eos(),
                                        pair.verifier.decoder.max_positions())  # fmt: skip
-        own_greedy = pair.generator(block_size=args.block)
-        own_greedy.drafter = NoDrafter(pair.verifier.decoder.max_positions())
-        systems = {"fairseq greedy": greedy, "spec-nmt greedy (no drafts)": own_greedy,
+        systems = {"fairseq greedy": greedy,
+                   "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
                    "spec lossless, oracle drafter": oracle,
                    "spec lossless, real drafter": pair.generator(block_size=args.block)}  # fmt: skip
         decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed

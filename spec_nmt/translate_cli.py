@@ -50,7 +50,8 @@ def parse_args(argv=None):
         "--block-size",
         type=int,
         default=None,
-        help=f"k: drafted tokens per iteration (default {DEFAULTS.block_size})",
+        help=f"k: drafted tokens per iteration; 0: no drafts, the verifier alone on the same "
+        f"loop (default {DEFAULTS.block_size})",
     )
     parser.add_argument(
         "--beta",

@@ -31,7 +31,9 @@ def assert_one_line_error(result, *fragments):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--block-size", 0], "--block-size must be an integer >= 1"),
+        (["--block-size", -1], "--block-size must be an integer >= 0 (0: no drafts)"),
+        (["--block-size", 0, "--verify", "rsd"], "--block-size 0 (no drafts) decodes with the"),
+        (["--block-size", 0, "--adaptive-block"], "neither --verify rsd nor --adaptive-block"),
         (["--beta", 0], "--beta must be an integer >= 1"),
         (["--tau", -0.5], "--tau must be >= 0"),
         (["--beam", 5], "--beam 5 cannot be combined with --drafter-path"),

@@ -69,6 +69,14 @@ def test_generate_is_identical_to_stock_greedy(toy, stock_greedy, drafter, batch
     print(f"{drafter} batch {batch_size}: mean accepted tokens per iteration {accepted}")
 
 
+@pytest.mark.parametrize("batch_size", [1, 16])
+def test_no_drafts_is_stock_greedy(toy, stock_greedy, batch_size):
+    """--block-size 0: the verifier alone on the speculative loop, one token per call."""
+    output = generate(toy, batch_size, "cached_drafter", "--block-size", 0)
+    assert hypotheses(output) == stock_greedy[batch_size]
+    assert mean_accepted(output) == 0
+
+
 @pytest.mark.parametrize("drafter", ["drafter", "cached_drafter", "states_drafter"])
 def test_adaptive_block_is_identical_to_stock_greedy(toy, stock_greedy, drafter):
     """Each sentence's k follows its acceptance; the output stays the verifier's greedy one."""

@@ -143,6 +143,19 @@ def test_first_two_tokens_follow_the_verifier(models, drafter, rule):
     assert pvalue > 1e-3, f"{rule} with the {drafter} drafter: p = {pvalue:.2e}"
 
 
+def test_sampling_without_drafts_is_exact(models):
+    """--block-size 0: no drafter at all, every token the verifier's own sample."""
+    settings = DecodingSettings(verify="sampling", block_size=0, temperature=TEMPERATURE,
+                                max_len_a=0, max_len_b=2)  # fmt: skip
+    generator = SpeculativeGenerator(
+        TransformerVerifier(models["verifier"], temperature=TEMPERATURE), models["nar"],
+        models["dictionary"], settings,
+    )  # fmt: skip
+    counts = first_two_counts(lambda s: generator.generate(None, s), models["dictionary"])
+    assert generator.stats.drafted_tokens == 0
+    assert chi_square_pvalue(counts, exact_joint(models).flatten()) > 1e-3
+
+
 def test_top_k_sampling_is_exact_too(models):
     generator = speculative(models, "ar", "rsd-c", topk=3)
     counts = first_two_counts(lambda s: generator.generate(None, s), models["dictionary"])

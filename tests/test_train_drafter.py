@@ -86,6 +86,14 @@ def test_bad_drafter_training_flags_are_refused_in_one_line(flags, message):
     SpecTranslationTask(with_verifier, dictionary, dictionary)
 
 
+def test_training_a_drafter_without_masks_is_refused_in_one_line(toy, tmp_path):
+    result = train_drafter(toy["bin"], tmp_path / "d", 1, "--block-size", 0, check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
+    assert errors and "a drafter trains on k >= 1 masks" in errors[0], result.stderr[-2000:]
+    assert not (tmp_path / "d" / "checkpoint_last.pt").exists()
+
+
 def test_drafter_loss_falls_and_reports_block_accuracy(toy):
     losses = train_losses(toy["drafter_log"])
     assert len(losses) >= 10

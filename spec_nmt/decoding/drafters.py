@@ -9,11 +9,13 @@ a tree too, see tree.py). Every drafter keeps the ``Drafter`` contract below.
   drafter reads per iteration, has only those rows.
 * ``CachedDrafter``: the cached drafter, NAR on the verifier's encoder output with a cached
   causal prefix.
+* ``NoDrafter``: drafts nothing (k = 0: the verifier alone on the same loop).
 * ``ArDrafter``: an ordinary fairseq Transformer. Drafting feeds one tree level per step on its
   own KV cache (tree attention, like the verifier's), so every node's children are drawn from the
   distribution after its own path.
 """
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
@@ -23,6 +25,7 @@ from torch import Tensor
 from spec_nmt.decoding.tree import (
     DraftTree,
     block_visibility,
+    chain,
     greedy_chain,
     gumbel_top_k,
     stochastic_beam_step,
@@ -387,6 +390,38 @@ class CachedDrafter(NarDrafter):
         self.scorer.select_rows(state.cache, rows)
         if state.prefix_input is not None:
             state.prefix_input = state.prefix_input.index_select(0, rows)
+
+
+class NoDrafter:
+    """Drafts nothing: with k = 0 the loop decodes with the verifier alone, one entry per verifier
+    call (greedy, or sampling from the verifier), on the same block scorer and packed products as
+    speculative decoding. Its drafter's time is then spent only where drafts earn it."""
+
+    reads_verifier_states = False
+
+    def __init__(self, max_positions: int, symbols: int):
+        self._max_positions, self.symbols = max_positions, symbols
+
+    def max_positions(self) -> int:
+        return self._max_positions
+
+    def max_source_positions(self) -> int:
+        return sys.maxsize  # it reads no source: any the verifier takes
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> None:
+        return None
+
+    def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
+        batch = tokens.size(0)
+        probs = tokens.new_zeros(batch, 0, self.symbols, dtype=torch.float) if plan.sample else None
+        return chain(tokens.new_zeros(batch, 0), probs)
+
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor,
+               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
+        """Nothing to keep."""
+
+    def select_rows(self, state, rows: Tensor) -> None:
+        """Nothing per row."""
 
 
 class ArDrafter:

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from spec_nmt.decoding.drafters import NoDrafter
 from spec_nmt.decoding.settings import DecodingSettings
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility
@@ -86,9 +87,11 @@ class SpeculativeGenerator:
         if verifier.temperature != settings.temperature:
             raise ValueError("the verifier adapter's temperature differs from the settings'")
         self.verifier = verifier
-        self.drafter = drafter
         self.settings = settings
         self.plan = settings.draft_plan
+        # k = 0: the verifier alone, whatever drafter was loaded
+        self.drafter = drafter if self.plan.depth else NoDrafter(verifier.max_positions(),
+                                                                 len(tgt_dict))  # fmt: skip
         self.verify = settings.verify
         self._rng: Optional[torch.Generator] = None
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()

@@ -23,8 +23,9 @@ class DecodingSettings:
 
     # the rule and the drafts
     verify: str = "top_beta"  # top_beta | sampling | rsd
-    # k: drafted tokens per iteration (tree depth for rsd). With the bundled pair 2 and 3 are the
-    # fastest, 5 and 10 slower (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
+    # k: drafted tokens per iteration (tree depth for rsd; 0: no drafts, the verifier alone on
+    # the same loop). With the bundled pair 2 and 3 are the fastest k > 0, 5 and 10 slower
+    # (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
     block_size: int = 3
     beta: int = 1  # top-beta: a draft must be among the verifier's beta best ...
     tau: float = 0.0  # ... and within tau of the best log-prob (1 / 0: lossless)
@@ -47,8 +48,10 @@ class DecodingSettings:
     def __post_init__(self):
         if self.verify not in RULES:
             raise SpecNmtError(f"--verify must be one of {', '.join(RULES)}, got {self.verify!r}")
-        if int(self.block_size) != self.block_size or self.block_size < 1:
-            raise SpecNmtError(f"--block-size must be an integer >= 1, got {self.block_size}")
+        if int(self.block_size) != self.block_size or self.block_size < 0:
+            raise SpecNmtError(
+                f"--block-size must be an integer >= 0 (0: no drafts), got {self.block_size}"
+            )
         check_top_beta_params(self.beta, self.tau)
         check_sampling_params(self.temperature, self.sampling_topk, self.sampling_topp)
         self.draft_plan  # noqa: B018  (refuses tree flags that make no shape)
@@ -57,6 +60,11 @@ class DecodingSettings:
     def draft_plan(self) -> DraftPlan:
         """The drafts' shape; one-line errors for combinations that make no sense."""
         rule = RULES[self.verify]
+        if self.block_size == 0 and (rule.trees or self.adaptive_block):
+            raise SpecNmtError(
+                "--block-size 0 (no drafts) decodes with the verifier alone: it takes neither "
+                "--verify rsd nor --adaptive-block"
+            )
         if self.adaptive_block and rule.trees:
             raise SpecNmtError(
                 "--adaptive-block adapts chains of drafts: it does not fit --verify rsd"

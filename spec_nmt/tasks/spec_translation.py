@@ -58,7 +58,8 @@ class SpecTranslationConfig(TranslationConfig):
         default=DEFAULTS.block_size,
         metadata={
             "help": "k: [MASK] positions the drafter fills per iteration, in training (the "
-            "recipes of scripts/train_drafter.sh set their own) and decoding"
+            "recipes of scripts/train_drafter.sh set their own) and decoding; in decoding 0 "
+            "drafts nothing: the verifier alone on the same loop (greedy or sampling)"
         },
     )
     cuts_per_sentence: int = field(
@@ -198,6 +199,10 @@ class SpecTranslationTask(TranslationTask):
             model_class = ARCH_MODEL_REGISTRY.get(arch)
             if model_class is not None and issubclass(model_class, SpecDrafterModel):
                 model_class.adopt_verifier(cfg, model_config(verifier_state), init_path)
+        if not from_checkpoint and self.cfg.block_size < 1:
+            raise SpecNmtError(
+                "--block-size 0 decodes without drafts; a drafter trains on k >= 1 masks"
+            )
         model = super().build_model(cfg, from_checkpoint)
         if not from_checkpoint and not isinstance(model, SpecDrafterModel):
             raise SpecNmtError(
