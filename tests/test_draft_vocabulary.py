@@ -19,7 +19,7 @@ from spec_nmt.decoding.drafters import (
     restrict_output,
 )
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.tasks.spec_translation import DRAFT_VOCABULARY_KEY, draft_vocabulary
+from spec_nmt.tasks.spec_translation import DRAFT_VOCABULARY_KEY, read_draft_vocabulary
 from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq, script_module
 from tests.test_cached_drafter import load_pair
 from tests.test_lossless import generate, hypotheses, mean_accepted
@@ -113,6 +113,13 @@ def with_vocabulary(toy, drafter_name, tmp_path, vocabulary):
     return path
 
 
+def test_exporting_without_a_vocabulary_drops_one_the_drafter_had(toy, tmp_path):
+    source = with_vocabulary(toy, "cached_drafter", tmp_path, torch.tensor([2, 4, 5]))
+    export_model.compact_checkpoint(source, tmp_path / "again.pt")
+    again = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "again.pt"))
+    assert DRAFT_VOCABULARY_KEY not in again and "model" in again
+
+
 @pytest.mark.parametrize("drafter", ["cached_drafter", "drafter"])
 def test_lossless_decoding_with_a_vocabulary_is_stock_greedy(toy, tmp_path, drafter):
     """Drafts from the 20 most frequent target symbols only: fairseq-generate still outputs
@@ -146,9 +153,9 @@ def test_a_bad_vocabulary_is_refused_in_one_line(toy, vocabulary, message):
     dictionary = Dictionary.load(str(toy["bin"] / "dict.en.txt"))
     state = {DRAFT_VOCABULARY_KEY: vocabulary}
     with pytest.raises(SpecNmtError, match=message) as error:
-        draft_vocabulary(state, "d.pt", dictionary, autoregressive=False)
+        read_draft_vocabulary(state, "d.pt", dictionary, autoregressive=False)
     assert "\n" not in str(error.value) and "d.pt" in str(error.value)
-    assert draft_vocabulary({}, "d.pt", dictionary, autoregressive=False) is None
+    assert read_draft_vocabulary({}, "d.pt", dictionary, autoregressive=False) is None
 
 
 def test_an_autoregressive_drafter_with_a_vocabulary_is_refused_in_one_line(toy, tmp_path):

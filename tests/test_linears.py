@@ -1,19 +1,22 @@
 """Prepacked fp32 linear layers (spec_nmt/decoding/linears.py): the same products as the layers'
-own, packed when they are made, bypassed where a gradient is needed, packed once per verifier by
-the task; the encoder forward that uses them gives the stock encoder's output."""
+own, packed when they are made, bypassed where a gradient is needed or the weight or input is
+no longer what was packed, packed once per verifier by the task; the encoder forward that uses
+them gives the stock encoder's output, and without them the stock forward runs."""
 
 import pytest
 import torch
 from torch import nn
 
+from spec_nmt.decoding import linears
 from spec_nmt.decoding.linears import PackedLinears, packing_available
+from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.models import block_forward
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BUNDLED_MODEL_DIR
 from tests.test_verifier_cache import DECODER_VARIANTS, source_batch, tiny_transformer
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
+needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
 
 
 def layers():
@@ -21,6 +24,7 @@ def layers():
     return nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256), nn.Linear(8, 8))
 
 
+@needs_onednn
 @torch.no_grad()
 def test_packed_products_are_the_layers_own():
     model = layers()
@@ -37,19 +41,40 @@ def test_packed_products_are_the_layers_own():
     torch.testing.assert_close(project(small, x), small(x), rtol=1e-5, atol=1e-5)
 
 
+def calls_of(layer):
+    """How often the layer itself runs (the packed path does not run it)."""
+    calls = []
+    layer.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@needs_onednn
 @torch.no_grad()
-def test_weights_are_packed_when_the_projections_are_made():
-    """A weight changed in place afterwards (training) is not seen: a new PackedLinears is."""
+def test_a_weight_changed_or_an_input_of_another_dtype_goes_to_the_layer_itself():
+    """The packed copy serves only the weight it was made from, and fp32 CPU inputs: a weight
+    changed in place or replaced (load_state_dict, .to) and a bf16 input get the layer's own
+    product."""
     model = layers()
-    wide = model[0]
+    wide, narrow = model[0], model[1]
+    wide_calls, narrow_calls = calls_of(wide), calls_of(narrow)
     project = PackedLinears(model)
     x = torch.randn(8, 256)
-    before = project(wide, x)
+    project(wide, x)
+    assert not wide_calls  # packed
     wide.weight.mul_(2)
-    torch.testing.assert_close(project(wide, x), before)
-    torch.testing.assert_close(PackedLinears(model)(wide, x), wide(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(project(wide, x), wide(x)) and len(wide_calls) == 2
+    fresh = PackedLinears(model)
+    fresh(wide, x)
+    assert len(wide_calls) == 2  # packed again
+    wide.weight = nn.Parameter(wide.weight.detach().clone())
+    fresh(wide, x)
+    assert len(wide_calls) == 3
+    narrow.to(torch.bfloat16)
+    x = torch.randn(8, 1024, dtype=torch.bfloat16)
+    assert torch.equal(fresh(narrow, x), narrow(x)) and len(narrow_calls) == 2
 
 
+@needs_onednn
 def test_a_gradient_goes_through_the_layer_itself():
     model = layers()
     wide = model[0]
@@ -58,13 +83,14 @@ def test_a_gradient_goes_through_the_layer_itself():
     assert wide.weight.grad is not None and x.grad is not None
 
 
+@needs_onednn
 def test_the_task_packs_a_verifier_once():
     translator = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
     task, verifier = translator.task, translator.verifier
     first = task.generator_for(verifier, translator.drafter, DEFAULTS).verifier.project
     second = task.generator_for(verifier, translator.drafter, DEFAULTS.replace(temperature=0.5))
     assert second.verifier.project is first
-    assert first.weights[verifier.decoder.output_projection] is not None
+    assert verifier.decoder.output_projection in first.weights and first.covers(verifier.encoder)
 
 
 @torch.no_grad()
@@ -78,10 +104,24 @@ def test_the_encoder_forward_gives_the_stock_encoders_output(variant):
     net_input = source_batch(dictionary, 3)
     stock = model.encoder.forward_torchscript(net_input)
     real = ~stock["encoder_padding_mask"][0].t().unsqueeze(2)  # [S, B, 1]
-    for project in (PackedLinears(model), block_forward.plain):
+    projections = [block_forward.plain] + [PackedLinears(model)] * packing_available()
+    for project in projections:
         ours = block_forward.encode(model.encoder, net_input["src_tokens"], project)
         assert set(ours) == set(stock)
         difference = (ours["encoder_out"][0] - stock["encoder_out"][0]) * real
         assert difference.abs().max() < 1e-5
         for key in ("encoder_padding_mask", "encoder_embedding", "src_lengths"):
             assert torch.equal(ours[key][0], stock[key][0]), key
+
+
+@torch.no_grad()
+def test_without_onednn_the_verifier_encodes_with_fairseqs_own_forward(monkeypatch):
+    """Nothing packed (no oneDNN here, or CUDA, or fp16 weights): the stock encoder runs, bit
+    for bit fairseq's output."""
+    monkeypatch.setattr(linears, "packing_available", lambda: False)
+    model, dictionary = tiny_transformer()
+    verifier = TransformerVerifier(model)
+    assert not verifier.project.weights
+    net_input = source_batch(dictionary, 3)
+    ours = verifier.encode(net_input)["encoder_out"][0]
+    assert torch.equal(ours, model.encoder.forward_torchscript(net_input)["encoder_out"][0])

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
+from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.tree import (
     DraftTree,
     block_visibility,
@@ -188,6 +189,8 @@ def restrict_output(decoder, vocabulary: Tensor) -> None:
     """Keep only the rows of ``vocabulary`` (ascending symbol ids) in a NAR drafter decoder's
     output projection, in place. Ascending ids break ties between equal logits as the whole
     projection would, so a best token inside the vocabulary stays the one drafted."""
+    if decoder.output_projection.bias is not None:
+        raise ValueError("a drafter's output projection has no bias in fairseq")
     weight = decoder.output_projection.weight
     projection = torch.nn.Linear(weight.size(1), vocabulary.numel(), bias=False,
                                  device=weight.device, dtype=weight.dtype)  # fmt: skip
@@ -300,9 +303,10 @@ class CachedDrafter(NarDrafter):
 
     def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
         super().__init__(model, pad, eos, vocabulary)
-        self.scorer = TransformerVerifier(
-            model, role="the cached drafter (--drafter-path)", drafter=True
-        )
+        # only the decoder runs: its encoder copy (and a states drafter's verifier decoder copy)
+        # is for training
+        self.scorer = TransformerVerifier(model, role="the cached drafter (--drafter-path)",
+                                          drafter=True, project=PackedLinears(model.decoder))
         self.state_projection = model.state_projection
         self.reads_verifier_states = self.state_projection is not None
         self._visibility: Dict[Tuple[int, int, torch.device], Tensor] = {}
@@ -395,7 +399,7 @@ class CachedDrafter(NarDrafter):
 class NoDrafter:
     """Drafts nothing: with k = 0 the loop decodes with the verifier alone, one entry per verifier
     call (greedy, or sampling from the verifier), on the same block scorer and packed products as
-    speculative decoding. Its drafter's time is then spent only where drafts earn it."""
+    speculative decoding; the drafter that was loaded is not run."""
 
     reads_verifier_states = False
 

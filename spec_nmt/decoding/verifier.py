@@ -96,15 +96,21 @@ class TransformerVerifier:
         self._position_table: Optional[Tensor] = None
         # the model's linear layers with prepacked weights (blocks of a few entries per row)
         self.project = project or PackedLinears(model)
+        # the encoder runs its packed products through block_forward.encode where it can;
+        # elsewhere (nothing packed: CUDA, fp16, no oneDNN) fairseq's own forward
+        encoder = model.encoder
+        self._packed_encoder = block_forward.encoder_supported(encoder) and self.project.covers(
+            encoder
+        )
 
     def max_positions(self) -> int:
         return self.decoder.max_positions()
 
     def encode(self, net_input: Dict[str, Tensor]) -> Dict:
         """The encoder output for the batch (fairseq's ``encoder_out`` dict), with the packed
-        products where the encoder is a stock Transformer one."""
+        products where they exist and the encoder is a stock Transformer one."""
         encoder = self.model.encoder
-        if block_forward.encoder_supported(encoder):
+        if self._packed_encoder:
             return block_forward.encode(encoder, net_input["src_tokens"], self.project)
         return encoder.forward_torchscript(net_input)
 

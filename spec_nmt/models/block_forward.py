@@ -22,7 +22,7 @@ from spec_nmt.errors import SpecNmtError
 
 # (layer's self-attention module, block queries' input [W, B, C]) -> attention output [W, B, C]
 SelfAttention = Callable[[object, Tensor], Tensor]
-# (linear layer, input) -> its output: how the forward applies the decoder's linear layers
+# (linear layer, input) -> its output: how the forwards apply the model's linear layers
 # (decoding passes spec_nmt.decoding.linears.PackedLinears)
 Project = Callable[[nn.Module, Tensor], Tensor]
 
@@ -33,15 +33,20 @@ def plain(linear: nn.Module, x: Tensor) -> Tensor:
 
 
 def encoder_supported(encoder) -> bool:
-    """Whether ``encode`` reproduces this encoder's forward (a fairseq Transformer encoder whose
-    layers are stock ones with plain self-attention); else the stock forward runs."""
-    if not isinstance(encoder, TransformerEncoderBase):
+    """Whether ``encode`` reproduces this encoder's forward (a fairseq Transformer encoder with
+    the stock forward, whose layers are stock ones with plain self-attention); else the stock
+    forward runs."""
+    if not isinstance(encoder, TransformerEncoderBase) or any(
+        getattr(type(encoder), name) is not getattr(TransformerEncoderBase, name)
+        for name in ("forward", "forward_scriptable", "forward_embedding")
+    ):
         return False
     for layer in encoder.layers:
-        attn = getattr(layer, "self_attn", None)
+        attn = layer.self_attn
         if type(layer) not in (TransformerEncoderLayerBase, TransformerEncoderLayer) or (
-            attn.bias_k is not None or attn.add_zero_attn or getattr(layer, "return_fc", False)
-        ):
+            attn.bias_k is not None or attn.add_zero_attn or layer.return_fc
+            or getattr(attn, "rotary_pos_embed", None) is not None
+        ):  # fmt: skip
             return False
     return True
 
@@ -67,13 +72,15 @@ def encode(encoder, src_tokens: Tensor, project: Project = plain) -> Dict[str, L
             split_heads(project(module, x), attn.num_heads)
             for module in (attn.q_proj, attn.k_proj, attn.v_proj)
         )
-        x = layer.residual_connection(attend(attn, query, keys, values, bias, project), residual)
+        x = layer.dropout_module(attend(attn, query, keys, values, bias, project))
+        x = layer.residual_connection(x, residual)
         if not layer.normalize_before:
             x = layer.self_attn_layer_norm(x)
         residual = x
         if layer.normalize_before:
             x = layer.final_layer_norm(x)
-        x = project(layer.fc2, layer.activation_fn(project(layer.fc1, x)))
+        x = layer.activation_dropout_module(layer.activation_fn(project(layer.fc1, x)))
+        x = layer.dropout_module(project(layer.fc2, x))
         x = layer.residual_connection(x, residual)
         if not layer.normalize_before:
             x = layer.final_layer_norm(x)

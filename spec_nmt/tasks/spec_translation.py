@@ -390,13 +390,15 @@ class SpecTranslationTask(TranslationTask):
     def generator_for(self, verifier_model, drafter, settings: DecodingSettings):
         """The speculative generator for ``settings`` over these models. The verifier's linear
         layers are packed once per model (verifiers do not change while they decode)."""
-        self._source_token_limit = self.source_token_limit(verifier_model, drafter)
         project = self._packed_verifiers.get(verifier_model)
         if project is None:
             project = self._packed_verifiers[verifier_model] = PackedLinears(verifier_model)
         verifier = TransformerVerifier(verifier_model, temperature=settings.temperature,
                                        project=project)  # fmt: skip
-        return SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings)
+        generator = SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings)
+        # (the drafter it runs: none with k = 0)
+        self._source_token_limit = self.source_token_limit(verifier_model, generator.drafter)
+        return generator
 
     def load_drafter(self, path: str, verifier_model):
         """Load a drafter checkpoint onto the verifier's device and dtype (its linear layers in
@@ -405,7 +407,7 @@ class SpecTranslationTask(TranslationTask):
         state = _read_checkpoint("--drafter-path", path)
         arch = _checkpoint_arch(state)
         autoregressive = arch is not None and arch.startswith("transformer")
-        if not (drafts_masks(state) or autoregressive):
+        if not (is_nar_drafter(state) or autoregressive):
             raise SpecNmtError(
                 f"--drafter-path {path} is neither a Spec-Drafter, a cached drafter nor a "
                 f"Transformer checkpoint (arch {arch}); train one with --task spec_translation "
@@ -420,7 +422,7 @@ class SpecTranslationTask(TranslationTask):
                     f"dictionary in {self.cfg.data} has {len(self.target_dictionary)}: drafter "
                     "and verifier must share the data directory's dictionary"
                 )
-        vocabulary = draft_vocabulary(state, path, self.target_dictionary, autoregressive)
+        vocabulary = read_draft_vocabulary(state, path, self.target_dictionary, autoregressive)
         model = self._load_beside(path, state, verifier_model)
         if isinstance(model, CachedDrafterModel):
             model.check_verifier_matches(verifier_model)
@@ -476,8 +478,8 @@ def _read_checkpoint(flag: str, path: str):
 
 def drafter_adapter(model, dictionary, vocabulary: Optional[torch.Tensor] = None):
     """The decoding loop's adapter for a drafter model: cached drafter, Spec-Drafter (over
-    ``vocabulary`` when given, see draft_vocabulary), or any other fairseq translation model as
-    an autoregressive drafter."""
+    ``vocabulary`` when given, see read_draft_vocabulary), or any other fairseq translation model
+    as an autoregressive drafter."""
     pad, eos = dictionary.pad(), dictionary.eos()
     if isinstance(model, CachedDrafterModel):
         return CachedDrafter(model, pad, eos, vocabulary)
@@ -490,7 +492,8 @@ def drafter_adapter(model, dictionary, vocabulary: Optional[torch.Tensor] = None
 DRAFT_VOCABULARY_KEY = "draft_vocabulary"
 
 
-def draft_vocabulary(state, path: str, dictionary, autoregressive: bool) -> Optional[torch.Tensor]:
+def read_draft_vocabulary(state, path: str, dictionary,
+                          autoregressive: bool) -> Optional[torch.Tensor]:  # fmt: skip
     """The ascending target symbol ids a drafter checkpoint drafts over (None: all of them),
     checked against the target ``dictionary``: every id a symbol of it, EOS among them, PAD
     not."""
@@ -575,7 +578,7 @@ def _fit_width(tokens, width: int, pad: int):
     return torch.cat([tokens, filler], dim=1)
 
 
-def drafts_masks(state) -> bool:
+def is_nar_drafter(state) -> bool:
     """Whether a checkpoint is a NAR drafter: a Spec-Drafter or a cached drafter."""
     arch = _checkpoint_arch(state)
     return arch is not None and arch.startswith(("spec_drafter", "cached_drafter"))
