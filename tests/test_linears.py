@@ -75,6 +75,29 @@ def test_a_weight_changed_or_an_input_of_another_dtype_goes_to_the_layer_itself(
 
 
 @needs_onednn
+@torch.no_grad()
+def test_an_attentions_query_key_and_value_are_one_product():
+    """Self-attention's three projections of one input: packed together, the same outputs as
+    the layers', one product (none of the layers runs); a changed weight splits them again."""
+    model, _ = tiny_transformer()
+    attn = model.decoder.layers[0].self_attn
+    layers = (attn.q_proj, attn.k_proj, attn.v_proj)
+    project = PackedLinears(model)
+    assert layers in project.groups
+    cross = model.decoder.layers[0].encoder_attn  # its keys and values read another input
+    assert (cross.q_proj, cross.k_proj, cross.v_proj) not in project.groups
+    calls = [calls_of(layer) for layer in layers]
+    x = torch.randn(5, 2, 32)
+    for ours, layer in zip(project.many(layers, x), layers):
+        torch.testing.assert_close(ours, layer(x), rtol=1e-5, atol=1e-5)
+    assert [len(c) for c in calls] == [1, 1, 1]  # only the reference calls above
+    attn.k_proj.weight.add_(1)
+    for ours, layer in zip(project.many(layers, x), layers):
+        torch.testing.assert_close(ours, layer(x), rtol=1e-5, atol=1e-5)
+    assert len(calls[1]) == 3  # the changed layer ran itself
+
+
+@needs_onednn
 def test_a_gradient_goes_through_the_layer_itself():
     model = layers()
     wide = model[0]

@@ -189,10 +189,12 @@ class TransformerVerifier:
             keys, values = state.keys[i], state.values[i]
 
             def attention(attn, x: Tensor) -> Tensor:
-                heads = attn.num_heads
-                write(keys, block_forward.split_heads(self.project(attn.k_proj, x), heads))
-                write(values, block_forward.split_heads(self.project(attn.v_proj, x), heads))
-                query = block_forward.split_heads(self.project(attn.q_proj, x), heads)
+                query, key, value = (
+                    block_forward.split_heads(projected, attn.num_heads)
+                    for projected in self.project.many((attn.q_proj, attn.k_proj, attn.v_proj), x)
+                )
+                write(keys, key)
+                write(values, value)
                 seen_keys, seen_values = keys[:, :, :span], values[:, :, :span]
                 return block_forward.attend(attn, query, seen_keys, seen_values, bias,
                                             self.project)  # fmt: skip

@@ -10,7 +10,7 @@ need a per-row mask, so these functions redo the decoder's forward with
 Training (the cached drafter) and decoding share them, so both see the same arithmetic.
 """
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +22,30 @@ from spec_nmt.errors import SpecNmtError
 
 # (layer's self-attention module, block queries' input [W, B, C]) -> attention output [W, B, C]
 SelfAttention = Callable[[object, Tensor], Tensor]
-# (linear layer, input) -> its output: how the forwards apply the model's linear layers
-# (decoding passes spec_nmt.decoding.linears.PackedLinears)
-Project = Callable[[nn.Module, Tensor], Tensor]
 
 
-def plain(linear: nn.Module, x: Tensor) -> Tensor:
-    """A linear layer called as it is (training)."""
-    return linear(x)
+class Project(Protocol):
+    """How the forwards apply the model's linear layers (decoding passes
+    spec_nmt.decoding.linears.PackedLinears)."""
+
+    def __call__(self, linear: nn.Module, x: Tensor) -> Tensor:
+        """The layer's output for x."""
+
+    def many(self, linears: Tuple[nn.Module, ...], x: Tensor) -> List[Tensor]:
+        """Several layers' outputs for the same x (an attention's query, key and value)."""
+
+
+class OwnLinears:
+    """Linear layers called as they are (training)."""
+
+    def __call__(self, linear: nn.Module, x: Tensor) -> Tensor:
+        return linear(x)
+
+    def many(self, linears: Tuple[nn.Module, ...], x: Tensor) -> List[Tensor]:
+        return [linear(x) for linear in linears]
+
+
+plain = OwnLinears()
 
 
 def encoder_supported(encoder) -> bool:
@@ -69,8 +85,8 @@ def encode(encoder, src_tokens: Tensor, project: Project = plain) -> Dict[str, L
             x = layer.self_attn_layer_norm(x)
         attn = layer.self_attn
         query, keys, values = (
-            split_heads(project(module, x), attn.num_heads)
-            for module in (attn.q_proj, attn.k_proj, attn.v_proj)
+            split_heads(projected, attn.num_heads)
+            for projected in project.many((attn.q_proj, attn.k_proj, attn.v_proj), x)
         )
         x = layer.dropout_module(attend(attn, query, keys, values, bias, project))
         x = layer.residual_connection(x, residual)
