@@ -105,4 +105,3 @@ class PackedLinears:
             return linear(x)
         packed = self.weights[linear].weight
         return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")
-
