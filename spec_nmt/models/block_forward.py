@@ -80,26 +80,7 @@ def encode(encoder, src_tokens: Tensor, project: Project = plain) -> Dict[str, L
     x = x.transpose(0, 1)  # [S, B, C]
     bias = additive_mask(~padding.unsqueeze(1), x.dtype) if has_pads else None
     for layer in encoder.layers:
-        residual = x
-        if layer.normalize_before:
-            x = layer.self_attn_layer_norm(x)
-        attn = layer.self_attn
-        query, keys, values = (
-            split_heads(projected, attn.num_heads)
-            for projected in project.many((attn.q_proj, attn.k_proj, attn.v_proj), x)
-        )
-        x = layer.dropout_module(attend(attn, query, keys, values, bias, project))
-        x = layer.residual_connection(x, residual)
-        if not layer.normalize_before:
-            x = layer.self_attn_layer_norm(x)
-        residual = x
-        if layer.normalize_before:
-            x = layer.final_layer_norm(x)
-        x = layer.activation_dropout_module(layer.activation_fn(project(layer.fc1, x)))
-        x = layer.dropout_module(project(layer.fc2, x))
-        x = layer.residual_connection(x, residual)
-        if not layer.normalize_before:
-            x = layer.final_layer_norm(x)
+        x = _encoder_layer(layer, x, bias, project)
     if encoder.layer_norm is not None:
         x = encoder.layer_norm(x)
     lengths = (~padding).sum(dim=1, dtype=torch.int32).reshape(-1, 1)
@@ -225,43 +206,65 @@ def layers(decoder, x: Tensor, self_attention: Callable[[int], SelfAttention],
     return x
 
 
+def _sublayer(layer, norm, x: Tensor, block: Callable[[Tensor], Tensor],
+              residual_scale: Optional[Tensor] = None) -> Tensor:  # fmt: skip
+    """A stock layer's residual sub-block: ``norm`` before ``block`` (pre-norm) or after the
+    residual sum (post-norm); ``residual_scale`` (--scale-resids) scales the residual."""
+    residual = x
+    if layer.normalize_before:
+        x = norm(x)
+    x = block(x)
+    if residual_scale is not None:
+        residual = torch.mul(residual_scale, residual)
+    x = layer.residual_connection(x, residual)
+    if not layer.normalize_before:
+        x = norm(x)
+    return x
+
+
+def _feed_forward(layer, x: Tensor, project: Project) -> Tensor:
+    """A stock layer's feed-forward block, dropout included (its optional norm: --scale-fc)."""
+    x = layer.activation_dropout_module(layer.activation_fn(project(layer.fc1, x)))
+    if getattr(layer, "ffn_layernorm", None) is not None:
+        x = layer.ffn_layernorm(x)
+    return layer.dropout_module(project(layer.fc2, x))
+
+
+def _encoder_layer(layer, x: Tensor, bias: Optional[Tensor], project: Project) -> Tensor:
+    """One stock ``TransformerEncoderLayerBase`` over x [S, B, C] (``bias``: source padding)."""
+
+    def attend_self(x: Tensor) -> Tensor:
+        attn = layer.self_attn
+        query, keys, values = (
+            split_heads(projected, attn.num_heads)
+            for projected in project.many((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        )
+        return layer.dropout_module(attend(attn, query, keys, values, bias, project))
+
+    x = _sublayer(layer, layer.self_attn_layer_norm, x, attend_self)
+    return _sublayer(layer, layer.final_layer_norm, x, lambda x: _feed_forward(layer, x, project))
+
+
 def _layer(layer, x: Tensor, self_attention: SelfAttention, encoder_kv, encoder_bias,
            project: Project) -> Tensor:  # fmt: skip
     """One stock ``TransformerDecoderLayerBase`` over x [W, B, C]."""
-    residual = x
-    if layer.normalize_before:
-        x = layer.self_attn_layer_norm(x)
-    x = self_attention(layer.self_attn, x)
-    if layer.c_attn is not None:
-        heads = layer.c_attn.numel()
-        x = (x.view(*x.shape[:2], heads, -1) * layer.c_attn.view(heads, 1)).flatten(2)
-    if layer.attn_ln is not None:
-        x = layer.attn_ln(x)
-    x = layer.residual_connection(layer.dropout_module(x), residual)
-    if not layer.normalize_before:
-        x = layer.self_attn_layer_norm(x)
 
-    if encoder_kv is not None:
-        residual = x
-        if layer.normalize_before:
-            x = layer.encoder_attn_layer_norm(x)
+    def attend_self(x: Tensor) -> Tensor:
+        x = self_attention(layer.self_attn, x)
+        if layer.c_attn is not None:
+            heads = layer.c_attn.numel()
+            x = (x.view(*x.shape[:2], heads, -1) * layer.c_attn.view(heads, 1)).flatten(2)
+        if layer.attn_ln is not None:
+            x = layer.attn_ln(x)
+        return layer.dropout_module(x)
+
+    def attend_source(x: Tensor) -> Tensor:
         attn = layer.encoder_attn
         query = split_heads(project(attn.q_proj, x), attn.num_heads)
-        x = attend(attn, query, *encoder_kv, encoder_bias, project)
-        x = layer.residual_connection(layer.dropout_module(x), residual)
-        if not layer.normalize_before:
-            x = layer.encoder_attn_layer_norm(x)
+        return layer.dropout_module(attend(attn, query, *encoder_kv, encoder_bias, project))
 
-    residual = x
-    if layer.normalize_before:
-        x = layer.final_layer_norm(x)
-    x = layer.activation_dropout_module(layer.activation_fn(project(layer.fc1, x)))
-    if layer.ffn_layernorm is not None:
-        x = layer.ffn_layernorm(x)
-    x = layer.dropout_module(project(layer.fc2, x))
-    if layer.w_resid is not None:
-        residual = torch.mul(layer.w_resid, residual)
-    x = layer.residual_connection(x, residual)
-    if not layer.normalize_before:
-        x = layer.final_layer_norm(x)
-    return x
+    x = _sublayer(layer, layer.self_attn_layer_norm, x, attend_self)
+    if encoder_kv is not None:
+        x = _sublayer(layer, layer.encoder_attn_layer_norm, x, attend_source)
+    return _sublayer(layer, layer.final_layer_norm, x,
+                     lambda x: _feed_forward(layer, x, project), layer.w_resid)  # fmt: skip
