@@ -1,7 +1,7 @@
 """Linear layers for decoding: fp32 matrix products with weights prepacked for oneDNN.
 
 A block of a few entries per row is the worst shape for the CPU's default fp32 products (MKL's
-``addmm``): it repacks the weight on every call, so the verifier scored a block of 4 entries for
+``addmm``): slow for a few rows per call, so the verifier scored a block of 4 entries for
 1.7x one, and the output projection over 8,008 symbols for 4 entries took 350 us against 65 us
 with a weight packed once (AMD EPYC, 2 threads; BENCHMARKS.md, "Prepacked fp32 products"). The
 products stay fp32: only their summation order changes, as it already does between one entry
