@@ -64,7 +64,7 @@ from fairseq.search import Sampling
 from fairseq.sequence_generator import SequenceGenerator
 
 import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
-from spec_nmt.decoding.drafters import DraftPlan
+from spec_nmt.decoding.drafters import DraftPlan, NoDrafter
 from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.tree import chain
 from spec_nmt.decoding.settings import DEFAULTS, REFERENCE_TOP_BETA
@@ -298,22 +298,16 @@ def run(args):
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
-class OracleDrafter:
+class OracleDrafter(NoDrafter):
     """A drafter that knows the verifier's greedy translation of every sentence and proposes its
     next k tokens. Every draft passes the lossless rule and drafting costs next to nothing, so
-    speculative decoding with it measures the ceiling of the loop itself."""
+    speculative decoding with it measures the ceiling of the loop itself. Like ``NoDrafter`` it
+    reads no source and keeps nothing at commit."""
 
-    reads_verifier_states = False
-
-    def __init__(self, continuations, pad: int, eos: int, max_positions: int):
+    def __init__(self, continuations, dictionary, max_positions: int):
+        super().__init__(max_positions, len(dictionary))
         self.continuations = continuations  # source tokens (tuple) -> greedy output with EOS
-        self.pad, self.eos, self._max_positions = pad, eos, max_positions
-
-    def max_positions(self) -> int:
-        return self._max_positions
-
-    def max_source_positions(self) -> int:
-        return sys.maxsize  # it reads no source: any the verifier takes
+        self.pad, self.eos = dictionary.pad(), dictionary.eos()
 
     def start(self, net_input, verifier_encoder_out):
         sources = net_input["src_tokens"]
@@ -328,9 +322,6 @@ class OracleDrafter:
         known = state["outputs"]
         index = lengths.unsqueeze(1) + torch.arange(plan.depth, device=lengths.device)
         return chain(known.gather(1, index.clamp(max=known.size(1) - 1)))
-
-    def commit(self, state, keep, n_keep, verifier_states=None):
-        """Nothing to keep: the drafts come from the known translation."""
 
     def select_rows(self, state, rows):
         state["outputs"] = state["outputs"].index_select(0, rows)
@@ -390,7 +381,7 @@ def ceiling(args):
     rows = []
     for batch_size in args.batch_sizes:
         oracle = pair.generator(block_size=args.block)
-        oracle.drafter = OracleDrafter(continuations, dictionary.pad(), dictionary.eos(),
+        oracle.drafter = OracleDrafter(continuations, dictionary,
                                        pair.verifier.decoder.max_positions())  # fmt: skip
         systems = {"fairseq greedy": greedy,
                    "spec-nmt greedy (no drafts)": pair.generator(block_size=0),

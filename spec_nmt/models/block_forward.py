@@ -58,13 +58,18 @@ def encoder_supported(encoder) -> bool:
     ):
         return False
     for layer in encoder.layers:
-        attn = layer.self_attn
         if type(layer) not in (TransformerEncoderLayerBase, TransformerEncoderLayer) or (
-            attn.bias_k is not None or attn.add_zero_attn or layer.return_fc
-            or getattr(attn, "rotary_pos_embed", None) is not None
-        ):  # fmt: skip
+            layer.return_fc or _unusual_attention(layer.self_attn)
+        ):
             return False
     return True
+
+
+def _unusual_attention(attn) -> bool:
+    """Whether an attention module has what ``attend`` does not compute: extra keys (bias_k,
+    add_zero_attn) or rotary positions."""
+    return (attn.bias_k is not None or attn.add_zero_attn
+            or getattr(attn, "rotary_pos_embed", None) is not None)  # fmt: skip
 
 
 def encode(encoder, src_tokens: Tensor, project: Project = plain) -> Dict[str, List[Tensor]]:
@@ -95,8 +100,7 @@ def check_supported(decoder, role: str) -> None:
     unsupported = decoder.cross_self_attention or decoder.adaptive_softmax is not None
     for attn in [m for layer in decoder.layers for m in (layer.self_attn, layer.encoder_attn)]:
         if attn is not None:
-            unsupported |= attn.bias_k is not None or attn.add_zero_attn
-            unsupported |= getattr(attn, "rotary_pos_embed", None) is not None
+            unsupported |= _unusual_attention(attn)
     if unsupported:
         raise SpecNmtError(
             f"{role} uses --cross-self-attention, an adaptive softmax or extra attention "
