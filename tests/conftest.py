@@ -156,6 +156,10 @@ def build_toy(root):
         data_bin, root / "states_drafter", 300, "--arch", "cached_drafter", "--verifier-states",
         "--cuts-per-sentence", 3, "--init-from-verifier", verifier,
     )  # fmt: skip
+    train_drafter(
+        data_bin, root / "heads_drafter", 300, "--arch", "heads_drafter", "--cuts-per-sentence", 6,
+        "--init-from-verifier", verifier,
+    )  # fmt: skip
     return {
         "root": root,
         "raw": raw,
@@ -165,6 +169,7 @@ def build_toy(root):
         "cached_drafter_best": root / "cached_drafter" / "checkpoint_best.pt",
         "cached_drafter_log": cached_log.stdout + cached_log.stderr,
         "states_drafter": root / "states_drafter" / "checkpoint_last.pt",
+        "heads_drafter": root / "heads_drafter" / "checkpoint_last.pt",
         "drafter": root / "drafter" / "checkpoint_last.pt",
         "drafter_dir": root / "drafter",
         "drafter_log": drafter_log.stdout + drafter_log.stderr,

@@ -33,7 +33,10 @@ def assert_one_line_error(result, *fragments):
     [
         (["--block-size", -1], "--block-size must be an integer >= 0 (0: no drafts)"),
         (["--block-size", 0, "--verify", "rsd"], "--block-size 0 (no drafts) decodes with the"),
-        (["--block-size", 0, "--adaptive-block"], "neither --verify rsd nor --adaptive-block"),
+        (["--block-size", 0, "--adaptive-block"], "neither a draft tree"),
+        (["--block-size", 0, "--tree-branching", "2,1"], "--block-size 0 (no drafts) decodes"),
+        (["--adaptive-block", "--tree-branching", "2,1"], "does not fit a draft tree"),
+        (["--tree-budget", 6], "--tree-budget (stochastic beam search) needs --verify rsd"),
         (["--beta", 0], "--beta must be an integer >= 1"),
         (["--tau", -0.5], "--tau must be >= 0"),
         (["--beam", 5], "--beam 5 cannot be combined with --drafter-path"),

@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from spec_nmt.decoding.settings import DEFAULT_TREE_BRANCHING, DecodingSettings
+from spec_nmt.decoding.rules import RULES as RULE_TABLE
+from spec_nmt.decoding.settings import DecodingSettings
 from tests.conftest import BLOCK_SIZE, OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, preprocess
 from tests.test_errors import assert_one_line_error
 from tests.test_lossless import hypotheses
@@ -43,7 +44,8 @@ def test_rsd_without_tree_flags_draws_the_default_tree(toy):
     )  # fmt: skip
     assert len(hypotheses(result.stdout)) == 60
     default = DecodingSettings(verify="rsd").draft_plan
-    assert DEFAULT_TREE_BRANCHING == "3,1"  # as measured and documented (BENCHMARKS.md, README)
+    # as measured and documented (BENCHMARKS.md, README)
+    assert RULE_TABLE["rsd"].default_branching == "3,1"
     assert default.branching == (3, 1) and default.sample
 
 
@@ -69,7 +71,8 @@ def test_interactive_sampling_gives_every_line_one_output_in_order(toy):
         (["--verify", "rsd", "--tree-branching", "2,x"], "--tree-branching must be"),
         (["--verify", "rsd", "--tree-branching", "2,0"], "--tree-branching must be"),
         (["--verify", "rsd", "--tree-budget", 3, "--block-size", 4], "smaller than --block-size"),
-        (["--verify", "sampling", "--tree-budget", 8], "need --verify rsd"),
+        (["--verify", "sampling", "--tree-budget", 8], "--verify sampling drafts a chain"),
+        (["--verify", "sampling", "--tree-branching", "2,1"], "--verify sampling drafts a chain"),
         (["--verify", "sampling", "--temperature", 0], "--temperature must be > 0"),
         (["--verify", "sampling", "--sampling-topp", 1.5], "--sampling-topp must be"),
         (["--verify", "rsd", "--tree-budget", 8, "--block-size", 4, "--sampling-topk", 0],
@@ -114,4 +117,6 @@ def test_a_checkpoint_of_another_model_family_is_refused(toy, tmp_path):
         "interactive", toy["bin"], "--path", toy["verifier"], "--drafter-path",
         tmp_path / "checkpoint_last.pt", *SAMPLING, input_text="s1 s2\n", check=False,
     )  # fmt: skip
-    assert_one_line_error(result, "neither a Spec-Drafter, a cached drafter nor a Transformer checkpoint")
+    assert_one_line_error(
+        result, "neither a Spec-Drafter, a cached or heads drafter nor a Transformer checkpoint"
+    )

@@ -6,6 +6,7 @@ from fairseq.data import Dictionary
 from fairseq.search import Sampling
 
 from spec_nmt.decoding import tree as trees
+from spec_nmt.decoding import verify
 from spec_nmt.decoding.drafters import DraftPlan, grow_tree
 from spec_nmt.decoding.verify import residual, sampling_probs, speculative_sample
 from tests.stats import chi_square_pvalue
@@ -219,3 +220,117 @@ def test_greedy_chain_equals_the_grown_greedy_chain():
     for field in ("tokens", "parents", "depths", "valid"):
         assert torch.equal(getattr(grown, field), getattr(shortcut, field)), field
     assert shortcut.valid[0].tolist() == [True, True, False, False, False]
+
+
+def scores_with_best(best_per_entry, vocab=8, runner_up=None, gap=0.5):
+    """Log-probs [1, E, vocab]: entry e's best token is best_per_entry[e] (log-prob 0 against
+    -10 elsewhere); runner_up[e] (optional) sits ``gap`` below it."""
+    scores = torch.full((1, len(best_per_entry), vocab), -10.0)
+    for entry, token in enumerate(best_per_entry):
+        scores[0, entry, token] = 0.0
+        if runner_up and runner_up[entry] is not None:
+            scores[0, entry, runner_up[entry]] = -gap
+    return scores
+
+
+def test_greedy_tree_acceptance_follows_the_verifiers_picks():
+    """beta 1, tau 0 down the hand-drawn tree (tokens: node i holds token 3 + i): at the root the
+    verifier picks node 1's token, at node 1 node 4's, so the path is [1, 4]; node 4 is a leaf,
+    so the verifier's pick there is the bonus token."""
+    tree = trees.DraftTree(torch.tensor([[3, 4, 5, 6, 7, 0]]), PARENTS, DEPTHS,
+                           torch.ones(1, 6, dtype=torch.bool))  # fmt: skip
+    # entries: root, nodes 0..5; the best token at each entry
+    scores = scores_with_best([4, 5, 7, 1, 1, 1, 1])
+    path, n_accepted, next_tokens = trees.accept_top_beta_tree(tree, scores, 1, 0.0, EOS)
+    assert path.tolist() == [[1, 4, -1]] and n_accepted.tolist() == [2]
+    assert next_tokens.tolist() == [1]  # the verifier's pick after node 4 (entry 5)
+    # the root's pick is in no child: nothing accepted, the pick follows (a correction)
+    path, n_accepted, next_tokens = trees.accept_top_beta_tree(
+        tree, scores_with_best([6, 5, 7, 1, 1, 1, 1]), 1, 0.0, EOS
+    )
+    assert n_accepted.tolist() == [0] and path.tolist() == [[-1, -1, -1]]
+    assert next_tokens.tolist() == [6]
+    # an empty slot is never accepted, even holding the verifier's pick
+    empty = tree._replace(valid=torch.tensor([[True, False, True, True, True, True]]))
+    _, n_accepted, next_tokens = trees.accept_top_beta_tree(empty, scores, 1, 0.0, EOS)
+    assert n_accepted.tolist() == [0] and next_tokens.tolist() == [4]
+
+
+def test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child():
+    """beta 2: both root children pass where both are among the verifier's 2 best and within
+    tau; the verifier's better one is taken. With tau below the gap only the best passes."""
+    tree = trees.DraftTree(torch.tensor([[3, 4, 5, 6, 7, 0]]), PARENTS, DEPTHS,
+                           torch.ones(1, 6, dtype=torch.bool))  # fmt: skip
+    # root: best 4 (node 1), runner-up 3 (node 0); node 0's entry: best 5 (node 2); node 1's
+    # entry: best 1 (no child holds it), runner-up 7 (node 4); node 2's entry: best 0 (node 5)
+    scores = scores_with_best([4, 5, 1, 0, 1, 1, 1], runner_up=[3, None, 7, None, None, None, None])
+    path, n_accepted, next_tokens = trees.accept_top_beta_tree(tree, scores, 2, 1.0, EOS)
+    assert path[0, :2].tolist() == [1, 4] and n_accepted.tolist() == [2]  # 4 beats 3 at the root
+    assert next_tokens.tolist() == [1]
+    _, n_accepted, next_tokens = trees.accept_top_beta_tree(tree, scores, 2, 0.25, EOS)
+    assert n_accepted.tolist() == [1] and next_tokens.tolist() == [1]  # node 4 is 0.5 below
+    # the root's best is no child's token: its runner-up child (node 0) passes with beta 2
+    scores[0, 0, 4] = -10.0
+    scores[0, 0, 6] = 0.0
+    path, n_accepted, _ = trees.accept_top_beta_tree(tree, scores, 2, 1.0, EOS)
+    assert path[0].tolist() == [0, 2, 5] and n_accepted.tolist() == [3]
+
+
+def test_greedy_tree_acceptance_stops_after_an_accepted_eos():
+    tree = trees.DraftTree(torch.tensor([[EOS, 4, 5, 6, 7, 0]]), PARENTS, DEPTHS,
+                           torch.ones(1, 6, dtype=torch.bool))  # fmt: skip
+    scores = scores_with_best([EOS, 5, 1, 1, 7, 1, 1])  # node 0's child 5 would pass too
+    path, n_accepted, _ = trees.accept_top_beta_tree(tree, scores, 1, 0.0, EOS)
+    assert path[0].tolist() == [0, -1, -1] and n_accepted.tolist() == [1]
+
+
+def test_greedy_tree_acceptance_on_a_chain_equals_the_chain_rule():
+    """A chain is a tree: both rules decide alike, for random drafts and scores."""
+    torch.manual_seed(3)
+    for beta, tau in ((1, 0.0), (3, 1.0)):
+        scores = torch.randn(64, 5, 6)
+        runner_up = (torch.rand(64, 4) < 0.3).long().unsqueeze(2)  # else the best token
+        drafts = scores[:, :4].topk(2, dim=-1).indices.gather(2, runner_up).squeeze(2)
+        n_chain, next_chain = verify.accept_top_beta(drafts, scores, beta, tau, EOS)
+        path, n_tree, next_tree = trees.accept_top_beta_tree(trees.chain(drafts), scores, beta,
+                                                             tau, EOS)  # fmt: skip
+        assert torch.equal(n_tree, n_chain) and torch.equal(next_tree, next_chain)
+        assert n_chain.min() == 0 and n_chain.max() >= 2  # both outcomes occur
+
+
+def test_rules_without_drafts_give_the_verifiers_own_token():
+    """A tree of no nodes (a drafter with nothing to draft yet): no path, the verifier's token."""
+    empty = trees.chain(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 1, 6))
+    scores = torch.tensor([[[0.0, 3.0, 1.0, 0.0, 0.0, 0.0]], [[5.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
+    path, n_accepted, next_tokens = trees.accept_top_beta_tree(empty, scores, 1, 0.0, EOS)
+    assert path.shape == (2, 0) and n_accepted.tolist() == [0, 0]
+    assert next_tokens.tolist() == [1, 0]
+    one_hot = torch.nn.functional.one_hot(torch.tensor([[1], [0]]), 6).float()
+    path, n_accepted, next_tokens = trees.recursive_rejection(empty, one_hot, EOS)
+    assert path.shape == (2, 0) and next_tokens.tolist() == [1, 0]
+
+
+def test_greedy_tree_equals_the_grown_greedy_tree():
+    """The NAR drafters' shortcut for greedy trees gives the tree grow_tree would grow from the
+    same per-position distributions: each node's children its depth's best tokens, empty slots
+    below a drafted EOS; every row shares one shape, whose visibility is built once."""
+    torch.manual_seed(1)
+    logprobs = torch.randn(5, 3, 9).log_softmax(-1)
+    logprobs[0, 0, EOS] = 5.0  # row 0: EOS is the best first token
+    logprobs[1, 1, EOS] = 5.0  # row 1: the best second token
+    branching = (3, 2, 1)
+
+    def expand(level_tokens, _visible, depth):
+        position = logprobs[:, min(depth, 2)]
+        return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
+
+    grown = grow_tree(DraftPlan(branching=branching), torch.full((5,), 7), expand, EOS, None,
+                      False)  # fmt: skip
+    shortcut = trees.greedy_tree(logprobs.topk(3, dim=-1).indices, branching, EOS)
+    for field in ("tokens", "parents", "depths", "valid"):
+        assert torch.equal(getattr(grown, field), getattr(shortcut, field)), field
+    assert not shortcut.valid[0].all() and not shortcut.valid[1].all()
+    shared = trees.block_visibility(shortcut.parents)
+    assert shared.shape == (1, 16, 16)
+    assert torch.equal(shared[0], trees.block_visibility(grown.parents)[3])
+    assert trees.block_visibility(shortcut.parents) is shared

@@ -9,6 +9,7 @@ a tree too, see tree.py). Every drafter keeps the ``Drafter`` contract below.
   drafter reads per iteration, has only those rows.
 * ``CachedDrafter``: the cached drafter, NAR on the verifier's encoder output with a cached
   causal prefix.
+* ``HeadsDrafter``: draft heads on the verifier's own last-layer states (no decoder pass).
 * ``NoDrafter``: drafts nothing (k = 0: the verifier alone on the same loop).
 * ``ArDrafter``: an ordinary fairseq Transformer. Drafting feeds one tree level per step on its
   own KV cache (tree attention, like the verifier's), so every node's children are drawn from the
@@ -28,6 +29,7 @@ from spec_nmt.decoding.tree import (
     block_visibility,
     chain,
     greedy_chain,
+    greedy_tree,
     gumbel_top_k,
     stochastic_beam_step,
 )
@@ -37,7 +39,8 @@ from spec_nmt.decoding.verifier import (
     VerifierState,
     value_range,
 )
-from spec_nmt.models.spec_drafter import masked_input
+from spec_nmt.errors import SpecNmtError
+from spec_nmt.models.spec_drafter import MASK_SYMBOL, masked_input
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,7 @@ class NarDrafter:
         """``vocabulary``: the ascending symbol ids that ``restrict_output`` left the model's
         output projection (None: every symbol of the verifier's dictionary)."""
         self.model = model
-        self.mask = model.decoder.mask_idx
+        self.mask = model.decoder.dictionary.index(MASK_SYMBOL)
         if self.mask != len(model.decoder.dictionary) - 1:
             raise ValueError("the Spec-Drafter's [MASK] must be its dictionary's last symbol")
         if vocabulary is not None and output_size(model.decoder) != vocabulary.numel():
@@ -259,12 +262,17 @@ class NarDrafter:
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
         depth = plan.depth
         logits = self.position_logits(state, tokens, lengths, depth)
-        if plan.is_chain and not plan.sample:  # each position's best token: no tree to grow
-            # max's indices, not argmax: the same token, 2.5x faster over 8k columns on CPU
-            best = logits.max(dim=-1).indices
+        if not (plan.sample or plan.beam_width):  # each position's best tokens: no tree to grow
+            if plan.is_chain:
+                # max's indices, not argmax: the same token, 2.5x faster over 8k columns on CPU
+                best = logits.max(dim=-1).indices
+            else:
+                best = logits.topk(max(plan.branching), dim=-1).indices
             if self.vocabulary is not None:
                 best = self.vocabulary[best]
-            return greedy_chain(best, self.eos)
+            if plan.is_chain:
+                return greedy_chain(best, self.eos)
+            return greedy_tree(best, plan.branching, self.eos)
         logprobs = self._over_verifier_vocabulary(torch.log_softmax(logits, dim=-1))
 
         def expand(level_tokens: Tensor, _visible, level_depth: int) -> Tensor:
@@ -394,6 +402,63 @@ class CachedDrafter(NarDrafter):
         self.scorer.select_rows(state.cache, rows)
         if state.prefix_input is not None:
             state.prefix_input = state.prefix_input.index_select(0, rows)
+
+
+@dataclass
+class HeadsDrafterState:
+    """Per row, the verifier's last-layer state [B, C] that chose its pending token (None before
+    the verifier's first call)."""
+
+    chooser: Optional[Tensor] = None
+
+
+class HeadsDrafter(NarDrafter):
+    """Draft heads (models/heads_drafter.py) on the verifier's own states: ``commit`` keeps the
+    state that chose each row's new pending token, ``propose`` turns it into k distributions
+    (the NAR drafters' tree growing). The first iteration of a batch drafts nothing."""
+
+    reads_verifier_states = True
+
+    def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
+        super().__init__(model, pad, eos, vocabulary)
+        self.heads = model.heads
+        self.project = PackedLinears(model.decoder.output_projection)
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> HeadsDrafterState:
+        return HeadsDrafterState()
+
+    def position_logits(self, state: HeadsDrafterState, tokens: Tensor, lengths: Tensor, k: int):
+        """Float logits [B, k, D] over the draft columns, from the first k heads."""
+        if k > self.heads.count:
+            raise SpecNmtError(
+                f"the drafter has {self.heads.count} draft heads: it drafts at most "
+                f"{self.heads.count} tokens per iteration (--block-size, tree depth), asked {k}"
+            )
+        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+        features = self.heads(state.chooser, self.model.decoder.embed_tokens(pending), k)
+        return self._draft_columns(self.project(self.model.decoder.output_projection, features))
+
+    def propose(self, state: HeadsDrafterState, tokens, lengths, plan: DraftPlan,
+                generator) -> DraftTree:  # fmt: skip
+        if state.chooser is None:  # no verifier state yet: no drafts (the verifier's own step)
+            batch = tokens.size(0)
+            probs = None
+            if plan.sample:  # the root entry's (never read: it has no children)
+                probs = tokens.new_zeros(batch, 1, self.mask, dtype=torch.float)
+            return chain(tokens.new_zeros(batch, 0), probs)
+        return super().propose(state, tokens, lengths, plan, generator)
+
+    def commit(self, state: HeadsDrafterState, keep: Optional[Tensor], n_keep: Tensor,
+               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
+        if verifier_states is None:
+            raise ValueError("a heads drafter drafts from the verifier's states: commit needs them")
+        last = (n_keep - 1).clamp(min=0)  # finished rows (n_keep 0) keep anything
+        index = last.view(-1, 1, 1).expand(-1, 1, verifier_states.size(2))
+        state.chooser = verifier_states.gather(1, index).squeeze(1)
+
+    def select_rows(self, state: HeadsDrafterState, rows: Tensor) -> None:
+        if state.chooser is not None:
+            state.chooser = state.chooser.index_select(0, rows)
 
 
 class NoDrafter:

@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.tree import DraftTree, recursive_rejection
+from spec_nmt.decoding.tree import DraftTree, accept_top_beta_tree, recursive_rejection
 from spec_nmt.decoding.verify import accept_top_beta, sampling_probs, speculative_sample
 
 # (tree, constrained logits [B, N+1, V], settings, eos, generator)
@@ -19,7 +19,9 @@ Accept = Callable[[DraftTree, Tensor, object, int, Optional[torch.Generator]],
 class Rule(NamedTuple):
     accept: Accept
     sampled_drafts: bool  # drafts drawn from the drafter (else its best tokens)
-    trees: bool  # drafts may branch (else a chain of block_size)
+    trees: bool  # drafts may branch (else always a chain of block_size)
+    # the tree drawn when no tree flag is given (--tree-branching's form); None: a chain
+    default_branching: Optional[str] = None
 
 
 def _chain_path(tree: DraftTree, n_accepted: Tensor) -> Tensor:
@@ -28,6 +30,8 @@ def _chain_path(tree: DraftTree, n_accepted: Tensor) -> Tensor:
 
 
 def _top_beta(tree, logits, settings, eos, generator):
+    if settings.tree_branching:
+        return accept_top_beta_tree(tree, logits, settings.beta, settings.tau, eos)
     n_accepted, next_tokens = accept_top_beta(tree.tokens, logits, settings.beta, settings.tau, eos)
     return _chain_path(tree, n_accepted), n_accepted, next_tokens
 
@@ -47,7 +51,9 @@ def _recursive_rejection(tree, logits, settings, eos, generator):
 
 
 RULES = {
-    "top_beta": Rule(_top_beta, sampled_drafts=False, trees=False),
+    "top_beta": Rule(_top_beta, sampled_drafts=False, trees=True),
     "sampling": Rule(_speculative_sampling, sampled_drafts=True, trees=False),
-    "rsd": Rule(_recursive_rejection, sampled_drafts=True, trees=True),
+    # RSD-C 3,1: the most tokens per verifier call of the 6-node trees on newstest2013
+    # (BENCHMARKS.md)
+    "rsd": Rule(_recursive_rejection, sampled_drafts=True, trees=True, default_branching="3,1"),
 }

@@ -13,9 +13,6 @@ from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.verify import check_sampling_params, check_top_beta_params
 from spec_nmt.errors import SpecNmtError
 
-# The most tokens per verifier call of the 6-node trees on newstest2013 (BENCHMARKS.md).
-DEFAULT_TREE_BRANCHING = "3,1"
-
 
 @dataclass(frozen=True)
 class DecodingSettings:
@@ -29,7 +26,9 @@ class DecodingSettings:
     block_size: int = 3
     beta: int = 1  # top-beta: a draft must be among the verifier's beta best ...
     tau: float = 0.0  # ... and within tau of the best log-prob (1 / 0: lossless)
-    tree_branching: Optional[str] = None  # rsd, RSD-C: children per node at each depth
+    # children per node at each depth: rsd's RSD-C tree, or a tree of the drafter's best tokens
+    # for top_beta (chains without it)
+    tree_branching: Optional[str] = None
     tree_budget: int = 0  # rsd, RSD-S: nodes per iteration (stochastic beam search)
     adaptive_block: bool = False  # chains: k per sentence from its acceptance, at most block_size
     # sampling (rules sampling and rsd)
@@ -60,26 +59,36 @@ class DecodingSettings:
     def draft_plan(self) -> DraftPlan:
         """The drafts' shape; one-line errors for combinations that make no sense."""
         rule = RULES[self.verify]
-        if self.block_size == 0 and (rule.trees or self.adaptive_block):
+        if not rule.trees and (self.tree_branching or self.tree_budget):
             raise SpecNmtError(
-                "--block-size 0 (no drafts) decodes with the verifier alone: it takes neither "
-                "--verify rsd nor --adaptive-block"
+                f"--verify {self.verify} drafts a chain: --tree-branching needs --verify "
+                "top_beta or rsd, --tree-budget needs --verify rsd"
             )
-        if self.adaptive_block and rule.trees:
+        if self.tree_budget and not rule.sampled_drafts:
             raise SpecNmtError(
-                "--adaptive-block adapts chains of drafts: it does not fit --verify rsd"
+                "--tree-budget (stochastic beam search) needs --verify rsd; greedy draft trees "
+                "take --tree-branching"
             )
-        if not rule.trees:
-            if self.tree_branching or self.tree_budget:
-                raise SpecNmtError("--tree-branching and --tree-budget need --verify rsd")
-            return DraftPlan.chain(self.block_size, sample=rule.sampled_drafts)
         if self.tree_branching and self.tree_budget:
             raise SpecNmtError(
                 "--verify rsd takes one of --tree-branching (RSD-C, e.g. 3,2,2,1) and "
                 "--tree-budget (RSD-S, nodes per iteration), not both"
             )
+        branches = bool(self.tree_branching or self.tree_budget or rule.default_branching)
+        if self.block_size == 0 and (branches or self.adaptive_block):
+            raise SpecNmtError(
+                "--block-size 0 (no drafts) decodes with the verifier alone: it takes neither "
+                "a draft tree (--verify rsd, --tree-branching) nor --adaptive-block"
+            )
+        if self.adaptive_block and branches:
+            raise SpecNmtError(
+                "--adaptive-block adapts chains of drafts: it does not fit a draft tree "
+                "(--verify rsd, --tree-branching)"
+            )
+        if not branches:
+            return DraftPlan.chain(self.block_size, sample=rule.sampled_drafts)
         if not self.tree_budget:
-            shape = self.tree_branching or DEFAULT_TREE_BRANCHING
+            shape = self.tree_branching or rule.default_branching
             try:
                 branching = tuple(int(part) for part in shape.split(","))
             except ValueError:

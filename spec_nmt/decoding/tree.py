@@ -56,9 +56,54 @@ def greedy_chain(tokens: Tensor, eos: int) -> DraftTree:
     return chain(tokens, valid=before_any_eos(tokens, eos))
 
 
+def greedy_tree(best: Tensor, branching: Tuple[int, ...], eos: int) -> DraftTree:
+    """The tree whose nodes at depth d each have as children the ``branching[d-1]`` best tokens
+    of position d: ``best`` [B, k, m] holds each position's m >= max(branching) best tokens,
+    best first (a NAR drafter's positions do not depend on the path above them). Children of an
+    EOS node are empty slots. Every row shares the shape (parents expanded from one row)."""
+    batch = best.size(0)
+    parents, depths, rank, strict_ancestors = _product_shape(branching, best.device)
+    tokens = best[:, depths - 1, rank]  # [B, N]
+    after_eos = (tokens.eq(eos).unsqueeze(1) & strict_ancestors).any(dim=2)
+    return DraftTree(tokens, parents.expand(batch, -1), depths, ~after_eos)
+
+
+@functools.lru_cache(maxsize=None)
+def _product_shape(branching: Tuple[int, ...], device: torch.device):
+    """parents [1, N], depths [N], sibling rank [N] and strict ancestors [1, N, N] (bool, node j
+    above node i) of the tree with ``branching[d-1]`` children per node at depth d, nodes level
+    by level and each node's children together (grow_tree's order)."""
+    parents, depths, rank = [], [], []
+    level = [-1]  # the parents of the next level: the root
+    for depth, width in enumerate(branching, start=1):
+        first = len(parents)
+        for parent in level:
+            parents += [parent] * width
+            rank += range(width)
+        depths += [depth] * (len(parents) - first)
+        level = list(range(first, len(parents)))
+    parents_row = torch.tensor([parents], device=device)
+    visible = block_visibility(parents_row)[:, 1:, 1:]  # nodes only
+    strict = visible & ~torch.eye(len(parents), dtype=torch.bool, device=device)
+    return (parents_row, torch.tensor(depths, device=device), torch.tensor(rank, device=device),
+            strict)  # fmt: skip
+
+
 def block_visibility(parents: Tensor) -> Tensor:
     """Tree attention: [B, N+1, N+1] bool, entry j visible to entry i iff j is i or an ancestor
-    of i (the root, entry 0, is everybody's ancestor)."""
+    of i (the root, entry 0, is everybody's ancestor). Rows that share one shape (parents
+    expanded from one row) get [1, N+1, N+1], built once per shape."""
+    if parents.size(0) == 1 or parents.stride(0) == 0:
+        return _shared_visibility(tuple(parents[0].tolist()), parents.device)
+    return _visibility(parents)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_visibility(parents: Tuple[int, ...], device: torch.device) -> Tensor:
+    return _visibility(torch.tensor([parents], device=device))
+
+
+def _visibility(parents: Tensor) -> Tensor:
     batch, n = parents.shape
     entry_parent = torch.cat([parents.new_zeros(batch, 1), parents + 1], dim=1)  # root → itself
     visible = torch.eye(n + 1, dtype=torch.bool, device=parents.device).repeat(batch, 1, 1)
@@ -167,8 +212,10 @@ def recursive_rejection(
     rows = torch.arange(batch, device=device)
     current = torch.zeros(batch, dtype=torch.long, device=device)
     active = torch.ones(batch, dtype=torch.bool, device=device)
-    path = torch.full((batch, max(max_depth, 1)), -1, dtype=torch.long, device=device)
+    path = torch.full((batch, max_depth), -1, dtype=torch.long, device=device)
     n_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    if not n:  # no drafts: the verifier's own sample
+        return path, n_accepted, sample_from(verifier_probs[:, 0], generator)
     next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
     for depth in range(max_depth + 1):
         target = verifier_probs[rows, current].float()
@@ -200,3 +247,73 @@ def recursive_rejection(
         active = goes & ~ended
         current = torch.where(goes, chosen + 1, current)
     return path, n_accepted, next_tokens
+
+
+def accept_top_beta_tree(
+    tree: DraftTree,
+    verifier_scores: Tensor,  # [B, N+1, V] log-probs or logits at every block entry
+    beta: int,
+    tau: float,
+    eos: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """The top-beta/tau rule (verify.accept_top_beta) down a tree of greedy drafts.
+
+    From the root, a child passes when its token is among the verifier's ``beta`` best at its
+    parent's entry and within ``tau`` of the best log-prob there; of the passing children the one
+    the verifier scores highest (the first drawn among equals) is accepted and becomes the
+    current entry. Where no child passes, the verifier's best token at the current entry
+    follows. With ``beta=1, tau=0`` only the child holding the verifier's own pick passes
+    (siblings hold distinct tokens), so the output is exactly the verifier's greedy decoding, as
+    with a chain. An accepted EOS ends the sentence.
+
+    Every node is judged at once and the path found by propagating acceptance down the levels
+    (no walk from entry to entry: a few tensor operations per level).
+
+    Returns (path [B, depth] accepted node indices padded with -1, n_accepted [B],
+    next_tokens [B]; meaningless where the path ends with EOS).
+    """
+    batch, n = tree.tokens.shape
+    device = tree.tokens.device
+    # the same call picks the best token and the candidates, so ties resolve alike (see
+    # accept_top_beta); max is the fast form of topk(1)
+    if beta == 1:
+        best_scores, best_tokens = verifier_scores.max(dim=-1)
+        top_tokens = best_tokens.unsqueeze(-1)
+    else:
+        top_scores, top_tokens = verifier_scores.topk(beta, dim=-1)  # [B, N+1, beta]
+        best_scores, best_tokens = top_scores[:, :, 0], top_tokens[:, :, 0]
+    max_depth = int(tree.depths.max()) if n else 0
+    if not n:
+        empty = tree.tokens.new_zeros(batch, 0)
+        return empty, empty.new_zeros(batch), best_tokens[:, 0]
+    parent_entry = (tree.parents + 1).clamp(min=0)  # [B, N]: the entry each node is judged at
+    node_scores = verifier_scores[
+        torch.arange(batch, device=device).unsqueeze(1), parent_entry, tree.tokens
+    ]
+    in_top_beta = top_tokens.gather(
+        1, parent_entry.unsqueeze(2).expand(-1, -1, top_tokens.size(2))
+    ).eq(tree.tokens.unsqueeze(2)).any(dim=2)
+    passes = in_top_beta & (node_scores >= best_scores.gather(1, parent_entry) - tau) & tree.valid
+    # each entry's accepted child: its best passing child, the first drawn among equals
+    ranking = node_scores.masked_fill(~passes, float("-inf"))
+    entry_best = ranking.new_full((batch, n + 1), float("-inf")).scatter_reduce(
+        1, parent_entry, ranking, "amax"
+    )
+    chosen = passes & ranking.eq(entry_best.gather(1, parent_entry))
+    nodes = torch.arange(n, device=device).expand(batch, n)
+    unchosen = torch.full_like(nodes, n)
+    first = unchosen.new_full((batch, n + 1), n).scatter_reduce(
+        1, parent_entry, torch.where(chosen, nodes, unchosen), "amin"
+    )
+    chosen &= nodes.eq(first.gather(1, parent_entry))
+    # on the path: chosen below an entry on the path (the root is; an accepted EOS ends it)
+    on_path = chosen
+    root = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    for _ in range(max_depth - 1):
+        extends = torch.cat([root, on_path & tree.tokens.ne(eos)], dim=1)
+        on_path = chosen & extends.gather(1, parent_entry)
+    n_accepted = on_path.sum(dim=1)
+    path = torch.where(on_path, nodes, unchosen).sort(dim=1).values[:, :max_depth]
+    path = path.masked_fill(path.eq(n), -1)  # nodes are stored level by level: depth order
+    last_entry = torch.where(on_path, nodes + 1, torch.zeros_like(nodes)).max(dim=1).values
+    return path, n_accepted, best_tokens.gather(1, last_entry.unsqueeze(1)).squeeze(1)

@@ -247,14 +247,18 @@ class CachedDrafterModel(SpecDrafterModel):
         states, _ = self.verifier_decoder.extract_features(prefix, encoder_out)
         return torch.cat([states.new_zeros(states.size(0), 1, states.size(2)), states[:, :-1]], 1)
 
-    def check_verifier_matches(self, verifier_model) -> None:
-        """Refuse a verifier whose encoder (and decoder, with --verifier-states) is not the one
-        this drafter was trained on."""
-        pairs = [("encoder", self.encoder, verifier_model.encoder)]
+    def verifier_copies(self):
+        """(part, module): the copies of the verifier's parts this drafter decodes with."""
+        copies = [("encoder", self.encoder)]
         if self.verifier_decoder is not None:
-            pairs.append(("decoder", self.verifier_decoder, verifier_model.decoder))
-        for part, ours, verifiers in pairs:
-            own, theirs = ours.state_dict(), verifiers.state_dict()
+            copies.append(("decoder", self.verifier_decoder))
+        return copies
+
+    def check_verifier_matches(self, verifier_model) -> None:
+        """Refuse a verifier whose parts are not the copies this drafter was trained with (its
+        encoder, and with --verifier-states its decoder)."""
+        for part, ours in self.verifier_copies():
+            own, theirs = ours.state_dict(), getattr(verifier_model, part).state_dict()
             # both ways: a tensor only one side has (a pre-norm encoder's final norm) differs too
             for name in sorted(own.keys() | theirs.keys()):
                 value, other = own.get(name), theirs.get(name)
@@ -268,7 +272,7 @@ class CachedDrafterModel(SpecDrafterModel):
                         continue
                     difference = f"{name} differs"
                 raise SpecNmtError(
-                    f"the cached drafter was trained on another verifier's {part} "
+                    f"the drafter was trained on another verifier's {part} "
                     f"({difference}): it decodes only with the verifier given to "
                     "--init-from-verifier"
                 )

@@ -29,14 +29,21 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from spec_nmt.checkpoint_loading import model_config
-from spec_nmt.decoding.drafters import ArDrafter, CachedDrafter, NarDrafter, restrict_output
+from spec_nmt.decoding.drafters import (
+    ArDrafter,
+    CachedDrafter,
+    HeadsDrafter,
+    NarDrafter,
+    restrict_output,
+)
 from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.decoding.rules import RULES
-from spec_nmt.decoding.settings import DEFAULT_TREE_BRANCHING, DEFAULTS, DecodingSettings
+from spec_nmt.decoding.settings import DEFAULTS, DecodingSettings
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import CachedDrafterModel
+from spec_nmt.models.heads_drafter import HeadsDrafterModel
 from spec_nmt.models.spec_drafter import (
     MASK_SYMBOL,
     SpecDrafterModel,
@@ -110,11 +117,14 @@ class SpecTranslationConfig(TranslationConfig):
     tree_branching: Optional[str] = field(
         default=DEFAULTS.tree_branching,
         metadata={
-            "help": "--verify rsd, RSD-C: comma-separated children per node at each depth "
-            "(e.g. 3,2,2,1: the tree is as deep as the list is long), drawn without "
-            "replacement by Gumbel-top-k; with neither this nor --tree-budget, "
-            f"{DEFAULT_TREE_BRANCHING} (the most tokens per verifier call of the 6-node trees "
-            "on newstest2013, BENCHMARKS.md)"
+            "help": "a draft tree: comma-separated children per node at each depth (e.g. "
+            "3,2,2,1: the tree is as deep as the list is long, and --block-size is not used). "
+            "--verify rsd (RSD-C) draws the children without replacement by Gumbel-top-k; with "
+            "neither this nor --tree-budget it draws "
+            f"{RULES['rsd'].default_branching} (the most tokens per verifier call of the "
+            "6-node trees on newstest2013, BENCHMARKS.md). --verify top_beta gives every node "
+            "the drafter's best tokens and accepts the path the rule passes (still lossless "
+            "with --beta 1 --tau 0); without it, a chain"
         },
     )
     tree_budget: int = field(
@@ -326,8 +336,8 @@ class SpecTranslationTask(TranslationTask):
         --cuts-per-sentence random points (stratified: the j-th of m cuts falls in the j-th m-th
         of its length). Labels are one row per cut, the cuts of a sentence next to each other.
         A Spec-Drafter gets one decoder row per cut (its model runs the encoder once per
-        sentence and shares it between them); a cached drafter gets BOS + target once and one
-        block of k masks per cut."""
+        sentence and shares it between them); a cached or heads drafter gets BOS + target once
+        and one block of k masks per cut."""
         target = sample["target"]
         pad, eos = self.target_dictionary.pad(), self.target_dictionary.eos()
         mask = self.drafter_dictionaries()[1].index(MASK_SYMBOL)
@@ -336,7 +346,11 @@ class SpecTranslationTask(TranslationTask):
         uniform = torch.rand(target_lengths.size(0), generator=generator).to(target.device)
         stratum = torch.arange(target_lengths.size(0), device=target.device) % m
         fraction = (stratum + uniform) / m
-        cuts = (fraction * target_lengths).long().clamp(max=target_lengths - 1)  # c in [0, len)
+        # c in [first, len): a heads drafter reads the state that chose the cut's last prefix
+        # token, which BOS alone has not
+        first = int(isinstance(_unwrapped(model), HeadsDrafterModel))
+        cuts = first + (fraction * (target_lengths - first)).long()
+        cuts = torch.minimum(cuts, (target_lengths - 1).clamp(min=first))
 
         rows = target.repeat_interleave(m, dim=0)
         label_index = cuts.unsqueeze(1) + torch.arange(k, device=target.device)
@@ -409,10 +423,10 @@ class SpecTranslationTask(TranslationTask):
         autoregressive = arch is not None and arch.startswith("transformer")
         if not (is_nar_drafter(state) or autoregressive):
             raise SpecNmtError(
-                f"--drafter-path {path} is neither a Spec-Drafter, a cached drafter nor a "
-                f"Transformer checkpoint (arch {arch}); train one with --task spec_translation "
-                "--arch spec_drafter_small or cached_drafter_small, or with --task translation "
-                "--arch transformer"
+                f"--drafter-path {path} is neither a Spec-Drafter, a cached or heads drafter nor "
+                f"a Transformer checkpoint (arch {arch}); train one with --task spec_translation "
+                "--arch spec_drafter_small, cached_drafter_small or heads_drafter_small, or with "
+                "--task translation --arch transformer"
             )
         if autoregressive:
             embeddings = state["model"].get("decoder.embed_tokens.weight")
@@ -481,6 +495,8 @@ def drafter_adapter(model, dictionary, vocabulary: Optional[torch.Tensor] = None
     ``vocabulary`` when given, see read_draft_vocabulary), or any other fairseq translation model
     as an autoregressive drafter."""
     pad, eos = dictionary.pad(), dictionary.eos()
+    if isinstance(model, HeadsDrafterModel):
+        return HeadsDrafter(model, pad, eos, vocabulary)
     if isinstance(model, CachedDrafterModel):
         return CachedDrafter(model, pad, eos, vocabulary)
     if isinstance(model, SpecDrafterModel):
@@ -579,9 +595,10 @@ def _fit_width(tokens, width: int, pad: int):
 
 
 def is_nar_drafter(state) -> bool:
-    """Whether a checkpoint is a NAR drafter: a Spec-Drafter or a cached drafter."""
+    """Whether a checkpoint is a NAR drafter: a Spec-Drafter, a cached or a heads drafter."""
     arch = _checkpoint_arch(state)
-    return arch is not None and arch.startswith(("spec_drafter", "cached_drafter"))
+    return arch is not None and arch.startswith(("spec_drafter", "cached_drafter",
+                                                 "heads_drafter"))  # fmt: skip
 
 
 def _checkpoint_arch(state) -> Optional[str]:

@@ -1,0 +1,147 @@
+"""Heads drafter: draft heads on the verifier's own last-layer state (Medusa-1, Cai et al., 2024,
+with the pending token's embedding as EAGLE feeds it, Li et al., 2024).
+
+Head j maps the verifier state that chose the pending token, and that token's embedding, to a
+state for the j-th token after it (``DraftHeads``), and the verifier's own output projection
+(frozen) turns that into a distribution. Decoding takes the state from the verifier's block
+call, so drafting costs k small matrix products and one output projection of k rows: no decoder
+layer of its own, no pass over the prefix and no encoder. The first iteration of a sentence
+drafts nothing (no verifier state exists yet).
+
+Training runs the verifier (a frozen copy in the model, from ``--init-from-verifier``) over
+``BOS + target`` once per sentence and trains only the heads, on the cached drafter's batches:
+block m of k labels after cut c_m reads the state at entry c_m - 1 (the one that chose the cut's
+last prefix token), so cuts start at 1.
+"""
+
+import torch
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import TransformerDecoderBase
+from torch import Tensor, nn
+
+from spec_nmt.errors import SpecNmtError
+from spec_nmt.models.cached_drafter import (
+    CachedDrafterModel,
+    cached_drafter_architecture,
+    cached_drafter_small,
+)
+from spec_nmt.models.spec_drafter import MASK_SYMBOL, set_option
+
+
+class DraftHeads(nn.Module):
+    """A shared block that mixes the state with the pending token's embedding,
+    ``z = s + SiLU(W [s; e] + b)``, then ``heads`` residual SiLU blocks ``z + SiLU(W_j z + b_j)``.
+    Everything starts as the identity (zero weights: every head first repeats the verifier's
+    prediction, Medusa's initialisation)."""
+
+    def __init__(self, heads: int, channels: int):
+        super().__init__()
+        self.mix = nn.Linear(2 * channels, channels)
+        nn.init.zeros_(self.mix.weight)
+        nn.init.zeros_(self.mix.bias)
+        self.weight = nn.Parameter(torch.zeros(heads, channels, channels))
+        self.bias = nn.Parameter(torch.zeros(heads, channels))
+
+    @property
+    def count(self) -> int:
+        return self.weight.size(0)
+
+    def forward(self, states: Tensor, pending: Tensor, k: int) -> Tensor:
+        """states [N, C] and the pending tokens' embeddings [N, C] -> [N, k, C]: the first k
+        heads' states."""
+        mixed = states + nn.functional.silu(self.mix(torch.cat([states, pending], dim=-1)))
+        hidden = torch.einsum("nc,hdc->nhd", mixed, self.weight[:k]) + self.bias[:k]
+        return mixed.unsqueeze(1) + nn.functional.silu(hidden)
+
+
+@register_model("heads_drafter")
+class HeadsDrafterModel(CachedDrafterModel):
+    """Draft heads on a frozen copy of the verifier (encoder and decoder). Train with
+    ``--task spec_translation --init-from-verifier VERIFIER.pt``; it drafts only with that
+    verifier (checked when loaded)."""
+
+    def __init__(self, args, encoder, decoder):
+        super().__init__(args, encoder, decoder)
+        self.heads = DraftHeads(args.draft_heads, decoder.output_embed_dim)
+
+    @staticmethod
+    def add_args(parser):
+        CachedDrafterModel.add_args(parser)
+        parser.add_argument(
+            "--draft-heads",
+            type=int,
+            metavar="N",
+            help="draft heads: the most tokens drafted per iteration (train with --block-size "
+            "at most N; more heads cost nothing at decoding until used)",
+        )
+
+    @classmethod
+    def adopt_verifier(cls, model_cfg, verifier_cfg, path) -> None:
+        """The decoder is a copy of the verifier's: its depth too."""
+        super().adopt_verifier(model_cfg, verifier_cfg, path)
+        for name in ("encoder_layers", "decoder_layers"):
+            set_option(model_cfg, name, getattr(verifier_cfg, name))
+
+    @classmethod
+    def build_model(cls, args, task):
+        if args.draft_heads < 1:
+            raise SpecNmtError(f"--draft-heads must be >= 1, got {args.draft_heads}")
+        if getattr(args, "verifier_states", False):
+            raise SpecNmtError("a heads drafter always reads the verifier's states: drop "
+                               "--verifier-states")  # fmt: skip
+        model = super().build_model(args, task)
+        for parameter in model.decoder.parameters():
+            parameter.requires_grad_(False)
+        return model
+
+    @classmethod
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+        """The verifier's decoder (a stock one, its copy)."""
+        return TransformerDecoderBase(cfg, tgt_dict, embed_tokens)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.decoder.eval()  # frozen: the verifier's states exactly
+        return self
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, cuts=None, scored=None,
+                **unused):  # fmt: skip
+        """prev_output_tokens [B, P + M*k]: BOS + target, then M blocks of k masks (their count
+        gives k); cuts [B, M], each >= 1. Returns (logits [B*M, k, V], extra), or [n, V] at the
+        ``scored`` [B*M, k] blocks' entries."""
+        if cuts is None:
+            raise ValueError("the heads drafter needs the cut points of its label blocks")
+        mask = self.decoder.dictionary.index(MASK_SYMBOL)
+        masks = int(prev_output_tokens[0].eq(mask).sum())
+        k = masks // cuts.size(1)
+        if k > self.heads.count:
+            raise SpecNmtError(f"--block-size {k} needs more heads than --draft-heads "
+                               f"{self.heads.count}")  # fmt: skip
+        with torch.no_grad():
+            encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
+            prefix = prev_output_tokens[:, : prev_output_tokens.size(1) - masks]
+            states, _ = self.decoder.extract_features(prefix, encoder_out)  # [B, P, C]
+            pending = self.decoder.embed_tokens(prev_output_tokens.gather(1, cuts))  # [B, M, C]
+        chosen = (cuts - 1).clamp(min=0).unsqueeze(2).expand(-1, -1, states.size(2))
+        features = self.heads(states.gather(1, chosen).flatten(0, 1), pending.flatten(0, 1), k)
+        if scored is not None:
+            features = features[scored]
+        return self.decoder.output_layer(features), {}
+
+    def verifier_copies(self):
+        return [("encoder", self.encoder), ("decoder", self.decoder)]
+
+
+@register_model_architecture("heads_drafter", "heads_drafter")
+def heads_drafter_architecture(args):
+    """Defaults of every heads drafter: 6 heads; the verifier's shape (--init-from-verifier
+    gives the depths, the sizes must match it)."""
+    args.draft_heads = getattr(args, "draft_heads", 6)
+    cached_drafter_architecture(args)
+
+
+@register_model_architecture("heads_drafter", "heads_drafter_small")
+def heads_drafter_small(args):
+    """Pairs with the small verifier (d=256, 4 heads, FFN 1024)."""
+    args.draft_heads = getattr(args, "draft_heads", 6)
+    cached_drafter_small(args)
