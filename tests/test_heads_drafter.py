@@ -30,7 +30,9 @@ def test_only_the_heads_train(pair):
     drafter.check_verifier_matches(verifier)
     assert drafter.heads.weight.abs().sum() > 0
     trainable = {name for name, p in drafter.named_parameters() if p.requires_grad}
-    assert trainable == {"heads.weight", "heads.bias", "heads.mix.weight", "heads.mix.bias"}
+    assert trainable == {f"heads.{name}" for name in (
+        "weight", "bias", "mix.weight", "mix.bias", "query.weight", "query.bias",
+        "source_out.weight", "source_out.bias")}  # fmt: skip
 
 
 def test_another_verifier_decoder_is_refused(pair):

@@ -40,6 +40,7 @@ from spec_nmt.decoding.verifier import (
     value_range,
 )
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.models.heads_drafter import SourceMemory, source_memory
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, masked_input
 
 
@@ -406,16 +407,17 @@ class CachedDrafter(NarDrafter):
 
 @dataclass
 class HeadsDrafterState:
-    """Per row, the verifier's last-layer state [B, C] that chose its pending token (None before
-    the verifier's first call)."""
+    """The batch's source memory, and per row the verifier's last-layer state [B, C] that chose
+    its pending token (None before the verifier's first call)."""
 
+    memory: SourceMemory
     chooser: Optional[Tensor] = None
 
 
 class HeadsDrafter(NarDrafter):
     """Draft heads (models/heads_drafter.py) on the verifier's own states: ``commit`` keeps the
     state that chose each row's new pending token, ``propose`` turns it into k distributions
-    (the NAR drafters' tree growing). The first iteration of a batch drafts nothing."""
+    (the NAR drafters' trees). The first iteration of a batch drafts nothing."""
 
     reads_verifier_states = True
 
@@ -425,7 +427,7 @@ class HeadsDrafter(NarDrafter):
         self.project = PackedLinears(model.decoder.output_projection)
 
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> HeadsDrafterState:
-        return HeadsDrafterState()
+        return HeadsDrafterState(source_memory(self.model.decoder, verifier_encoder_out))
 
     def position_logits(self, state: HeadsDrafterState, tokens: Tensor, lengths: Tensor, k: int):
         """Float logits [B, k, D] over the draft columns, from the first k heads."""
@@ -434,8 +436,8 @@ class HeadsDrafter(NarDrafter):
                 f"the drafter has {self.heads.count} draft heads: it drafts at most "
                 f"{self.heads.count} tokens per iteration (--block-size, tree depth), asked {k}"
             )
-        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
-        features = self.heads(state.chooser, self.model.decoder.embed_tokens(pending), k)
+        pending = self.model.decoder.embed_tokens(tokens.gather(1, lengths.unsqueeze(1)))
+        features = self.heads(state.chooser, pending.squeeze(1), state.memory, k)
         return self._draft_columns(self.project(self.model.decoder.output_projection, features))
 
     def propose(self, state: HeadsDrafterState, tokens, lengths, plan: DraftPlan,
@@ -457,6 +459,7 @@ class HeadsDrafter(NarDrafter):
         state.chooser = verifier_states.gather(1, index).squeeze(1)
 
     def select_rows(self, state: HeadsDrafterState, rows: Tensor) -> None:
+        state.memory = state.memory.select(rows)
         if state.chooser is not None:
             state.chooser = state.chooser.index_select(0, rows)
 

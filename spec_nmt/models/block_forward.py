@@ -10,7 +10,7 @@ need a per-row mask, so these functions redo the decoder's forward with
 Training (the cached drafter) and decoding share them, so both see the same arithmetic.
 """
 
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -137,13 +137,14 @@ def attend(attn, query: Tensor, keys: Tensor, values: Tensor, bias: Optional[Ten
 
 
 def encoder_keys_values(
-    decoder, encoder_out, project: Project = plain
+    decoder, encoder_out, project: Project = plain, layers: Optional[Sequence] = None
 ) -> Tuple[List[Tensor], List[Tensor], Optional[Tensor]]:
-    """Every layer's encoder-attention keys and values [B, heads, S, head_dim] (layers without
-    encoder attention have none) and the source padding as an additive mask [B, 1, 1, S]."""
+    """Every layer's (or every one of ``layers``') encoder-attention keys and values
+    [B, heads, S, head_dim] (layers without encoder attention have none) and the source padding
+    as an additive mask [B, 1, 1, S]."""
     enc = encoder_out["encoder_out"][0]  # [S, B, C]
     keys, values = [], []
-    for layer in decoder.layers:
+    for layer in decoder.layers if layers is None else layers:
         attn = layer.encoder_attn
         if attn is not None:
             keys.append(split_heads(project(attn.k_proj, enc), attn.num_heads).contiguous())

@@ -14,12 +14,15 @@ block m of k labels after cut c_m reads the state at entry c_m - 1 (the one that
 last prefix token), so cuts start at 1.
 """
 
+from typing import NamedTuple, Optional
+
 import torch
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor, nn
 
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.models.block_forward import Project, encoder_keys_values, plain
 from spec_nmt.models.cached_drafter import (
     CachedDrafterModel,
     cached_drafter_architecture,
@@ -28,17 +31,43 @@ from spec_nmt.models.cached_drafter import (
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, set_option
 
 
-class DraftHeads(nn.Module):
-    """A shared block that mixes the state with the pending token's embedding,
-    ``z = s + SiLU(W [s; e] + b)``, then ``heads`` residual SiLU blocks ``z + SiLU(W_j z + b_j)``.
-    Everything starts as the identity (zero weights: every head first repeats the verifier's
-    prediction, Medusa's initialisation)."""
+class SourceMemory(NamedTuple):
+    """What the heads attend to: the verifier's last decoder layer's encoder-attention keys and
+    values [N, heads, S, head_dim] and the source padding as an additive mask [N, 1, 1, S]."""
 
-    def __init__(self, heads: int, channels: int):
+    keys: Tensor
+    values: Tensor
+    bias: Optional[Tensor]
+
+    def select(self, rows: Tensor) -> "SourceMemory":
+        bias = None if self.bias is None else self.bias.index_select(0, rows)
+        return SourceMemory(self.keys.index_select(0, rows), self.values.index_select(0, rows),
+                            bias)  # fmt: skip
+
+
+def source_memory(verifier_decoder, encoder_out, project: Project = plain) -> SourceMemory:
+    """The heads' source memory of a batch, from the verifier's encoder output."""
+    keys, values, bias = encoder_keys_values(verifier_decoder, encoder_out, project,
+                                             layers=verifier_decoder.layers[-1:])  # fmt: skip
+    return SourceMemory(keys[0], values[0], bias)
+
+
+class DraftHeads(nn.Module):
+    """From the verifier state s that chose the pending token and that token's embedding e: a
+    shared trunk ``z = s + SiLU(W [s; e] + b)``, then one attention over the source (its query
+    from z, the keys and values of the verifier's last encoder attention), ``z += O a``; then
+    ``heads`` residual SiLU blocks ``z + SiLU(W_j z + b_j)``. Everything starts as the identity
+    (zero weights, Medusa's initialisation: every head first repeats the verifier's
+    prediction)."""
+
+    def __init__(self, heads: int, channels: int, attention_heads: int):
         super().__init__()
         self.mix = nn.Linear(2 * channels, channels)
-        nn.init.zeros_(self.mix.weight)
-        nn.init.zeros_(self.mix.bias)
+        self.query = nn.Linear(channels, channels)
+        self.source_out = nn.Linear(channels, channels)
+        for zero in (self.mix.weight, self.mix.bias, self.source_out.weight, self.source_out.bias):
+            nn.init.zeros_(zero)
+        self.attention_heads = attention_heads
         self.weight = nn.Parameter(torch.zeros(heads, channels, channels))
         self.bias = nn.Parameter(torch.zeros(heads, channels))
 
@@ -46,10 +75,16 @@ class DraftHeads(nn.Module):
     def count(self) -> int:
         return self.weight.size(0)
 
-    def forward(self, states: Tensor, pending: Tensor, k: int) -> Tensor:
-        """states [N, C] and the pending tokens' embeddings [N, C] -> [N, k, C]: the first k
-        heads' states."""
+    def forward(self, states: Tensor, pending: Tensor, memory: SourceMemory, k: int) -> Tensor:
+        """states [N, C], the pending tokens' embeddings [N, C] and their rows' source memory ->
+        [N, k, C]: the first k heads' states."""
         mixed = states + nn.functional.silu(self.mix(torch.cat([states, pending], dim=-1)))
+        batch, channels = mixed.shape
+        query = self.query(mixed).view(batch, self.attention_heads, 1, -1)
+        attended = nn.functional.scaled_dot_product_attention(
+            query, memory.keys, memory.values, attn_mask=memory.bias
+        )
+        mixed = mixed + self.source_out(attended.reshape(batch, channels))
         hidden = torch.einsum("nc,hdc->nhd", mixed, self.weight[:k]) + self.bias[:k]
         return mixed.unsqueeze(1) + nn.functional.silu(hidden)
 
@@ -62,7 +97,8 @@ class HeadsDrafterModel(CachedDrafterModel):
 
     def __init__(self, args, encoder, decoder):
         super().__init__(args, encoder, decoder)
-        self.heads = DraftHeads(args.draft_heads, decoder.output_embed_dim)
+        self.heads = DraftHeads(args.draft_heads, decoder.output_embed_dim,
+                                decoder.layers[-1].encoder_attn.num_heads)  # fmt: skip
 
     @staticmethod
     def add_args(parser):
@@ -122,11 +158,22 @@ class HeadsDrafterModel(CachedDrafterModel):
             prefix = prev_output_tokens[:, : prev_output_tokens.size(1) - masks]
             states, _ = self.decoder.extract_features(prefix, encoder_out)  # [B, P, C]
             pending = self.decoder.embed_tokens(prev_output_tokens.gather(1, cuts))  # [B, M, C]
+            rows = torch.arange(cuts.size(0), device=cuts.device).repeat_interleave(cuts.size(1))
+            memory = source_memory(self.decoder, encoder_out).select(rows)
         chosen = (cuts - 1).clamp(min=0).unsqueeze(2).expand(-1, -1, states.size(2))
-        features = self.heads(states.gather(1, chosen).flatten(0, 1), pending.flatten(0, 1), k)
+        features = self.heads(states.gather(1, chosen).flatten(0, 1), pending.flatten(0, 1), memory,
+                              k)  # fmt: skip
         if scored is not None:
             features = features[scored]
         return self.decoder.output_layer(features), {}
+
+    def initialize_from_verifier(self, path, checkpoint):
+        """Also start the heads' source query as the verifier's last encoder-attention query."""
+        super().initialize_from_verifier(path, checkpoint)
+        with torch.no_grad():
+            query = self.decoder.layers[-1].encoder_attn.q_proj
+            self.heads.query.weight.copy_(query.weight)
+            self.heads.query.bias.copy_(query.bias)
 
     def verifier_copies(self):
         return [("encoder", self.encoder), ("decoder", self.decoder)]
