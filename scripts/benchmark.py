@@ -256,6 +256,12 @@ def run(args):
         lossless: pair.generator(block_size=args.lossless_block),
         top_beta: pair.generator(block_size=args.block, beta=args.beta, tau=args.tau),
     }
+    if args.tree_branching:  # the same rules over a greedy draft tree
+        tree = args.tree_branching
+        systems[f"spec lossless tree {tree}"] = pair.generator(tree_branching=tree)
+        systems[f"spec tree {tree} beta={args.beta} tau={args.tau}"] = pair.generator(
+            tree_branching=tree, beta=args.beta, tau=args.tau
+        )
     batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
     # The reference for "identical": stock greedy one sentence at a time. In a batch,
     # SequenceGenerator caps every row's length by the longest source; speculative decoding caps
@@ -387,6 +393,10 @@ def ceiling(args):
                    "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
                    "spec lossless, oracle drafter": oracle,
                    "spec lossless, real drafter": pair.generator(block_size=args.block)}  # fmt: skip
+        if args.tree_branching:
+            systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = pair.generator(
+                tree_branching=args.tree_branching
+            )
         decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
         timers = {name: PhaseTimer(g) for name, g in systems.items() if name != "fairseq greedy"}
         results = decode_all(pair, systems, tokens, batch_size)
@@ -706,6 +716,9 @@ def main():
     parser.add_argument("--block", type=int, default=DEFAULTS.block_size, help="run: k of the top-beta/tau system; ceiling: k")
     parser.add_argument("--beta", type=int, default=REFERENCE_TOP_BETA.beta, help="run: beta of the top-beta/tau system")
     parser.add_argument("--tau", type=float, default=REFERENCE_TOP_BETA.tau, help="run: tau of the top-beta/tau system")
+    parser.add_argument("--tree-branching", default=None,
+                        help="run, ceiling: also decode with a greedy draft tree of this shape "
+                        "(e.g. 3,1,1), lossless (and in run with --beta/--tau)")
     parser.add_argument("--output-dir", default=None, help="run: write each system's translations here")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
     parser.add_argument("--drafter", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
