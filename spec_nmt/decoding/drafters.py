@@ -424,7 +424,8 @@ class HeadsDrafter(NarDrafter):
     def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
         super().__init__(model, pad, eos, vocabulary)
         self.heads = model.heads
-        self.project = PackedLinears(model.decoder.output_projection)
+        self.project = PackedLinears(torch.nn.ModuleList([model.heads,
+                                                          model.decoder.output_projection]))
 
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> HeadsDrafterState:
         return HeadsDrafterState(source_memory(self.model.decoder, verifier_encoder_out))
@@ -437,7 +438,7 @@ class HeadsDrafter(NarDrafter):
                 f"{self.heads.count} tokens per iteration (--block-size, tree depth), asked {k}"
             )
         pending = self.model.decoder.embed_tokens(tokens.gather(1, lengths.unsqueeze(1)))
-        features = self.heads(state.chooser, pending.squeeze(1), state.memory, k)
+        features = self.heads(state.chooser, pending.squeeze(1), state.memory, k, self.project)
         return self._draft_columns(self.project(self.model.decoder.output_projection, features))
 
     def propose(self, state: HeadsDrafterState, tokens, lengths, plan: DraftPlan,

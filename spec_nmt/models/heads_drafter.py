@@ -53,40 +53,43 @@ def source_memory(verifier_decoder, encoder_out, project: Project = plain) -> So
 
 
 class DraftHeads(nn.Module):
-    """From the verifier state s that chose the pending token and that token's embedding e: a
-    shared trunk ``z = s + SiLU(W [s; e] + b)``, then one attention over the source (its query
-    from z, the keys and values of the verifier's last encoder attention), ``z += O a``; then
-    ``heads`` residual SiLU blocks ``z + SiLU(W_j z + b_j)``. Everything starts as the identity
-    (zero weights, Medusa's initialisation: every head first repeats the verifier's
-    prediction)."""
+    """From the verifier state s that chose the pending token and that token's embedding e, a
+    shared trunk: ``z = s + SiLU(M [s; e])``, one attention over the source (its query from z,
+    the keys and values of the verifier's last encoder attention) ``z += O a``, a feed-forward
+    block ``z += F2 SiLU(F1 z)``; then ``count`` residual SiLU heads ``z + SiLU(H_j z)``, all
+    in one product. Every residual branch starts at zero (Medusa's initialisation: every head
+    first repeats the verifier's prediction). ``project(linear, x)`` runs each linear layer
+    (decoding passes prepacked products)."""
 
-    def __init__(self, heads: int, channels: int, attention_heads: int):
+    def __init__(self, count: int, channels: int, attention_heads: int):
         super().__init__()
+        self.count = count
+        self.attention_heads = attention_heads
         self.mix = nn.Linear(2 * channels, channels)
         self.query = nn.Linear(channels, channels)
         self.source_out = nn.Linear(channels, channels)
-        for zero in (self.mix.weight, self.mix.bias, self.source_out.weight, self.source_out.bias):
-            nn.init.zeros_(zero)
-        self.attention_heads = attention_heads
-        self.weight = nn.Parameter(torch.zeros(heads, channels, channels))
-        self.bias = nn.Parameter(torch.zeros(heads, channels))
+        self.fc1 = nn.Linear(channels, 4 * channels)
+        self.fc2 = nn.Linear(4 * channels, channels)
+        self.heads = nn.Linear(channels, count * channels)  # head j: rows j*C .. (j+1)*C
+        for branch_end in (self.mix, self.source_out, self.fc2, self.heads):
+            nn.init.zeros_(branch_end.weight)
+            nn.init.zeros_(branch_end.bias)
 
-    @property
-    def count(self) -> int:
-        return self.weight.size(0)
-
-    def forward(self, states: Tensor, pending: Tensor, memory: SourceMemory, k: int) -> Tensor:
+    def forward(self, states: Tensor, pending: Tensor, memory: SourceMemory, k: int,
+                project: Project = plain) -> Tensor:  # fmt: skip
         """states [N, C], the pending tokens' embeddings [N, C] and their rows' source memory ->
         [N, k, C]: the first k heads' states."""
-        mixed = states + nn.functional.silu(self.mix(torch.cat([states, pending], dim=-1)))
-        batch, channels = mixed.shape
-        query = self.query(mixed).view(batch, self.attention_heads, 1, -1)
+        silu = nn.functional.silu
+        z = states + silu(project(self.mix, torch.cat([states, pending], dim=-1)))
+        batch, channels = z.shape
+        query = project(self.query, z).view(batch, self.attention_heads, 1, -1)
         attended = nn.functional.scaled_dot_product_attention(
             query, memory.keys, memory.values, attn_mask=memory.bias
         )
-        mixed = mixed + self.source_out(attended.reshape(batch, channels))
-        hidden = torch.einsum("nc,hdc->nhd", mixed, self.weight[:k]) + self.bias[:k]
-        return mixed.unsqueeze(1) + nn.functional.silu(hidden)
+        z = z + project(self.source_out, attended.reshape(batch, channels))
+        z = z + project(self.fc2, silu(project(self.fc1, z)))
+        heads = project(self.heads, z).view(batch, self.count, channels)[:, :k]
+        return z.unsqueeze(1) + silu(heads)
 
 
 @register_model("heads_drafter")
