@@ -49,6 +49,7 @@ fairseq time from the same process.
 """
 
 import argparse
+import copy
 import itertools
 import json
 import platform
@@ -348,6 +349,8 @@ class PhaseTimer:
 
     def __init__(self, generator: SpeculativeGenerator):
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        # generators of one pair share its drafter adapter: each timer wraps a copy of its own
+        generator.drafter = copy.copy(generator.drafter)
         owners = {"generator": generator, "verifier": generator.verifier, "drafter": generator.drafter}
         for phase, methods in self.PHASES.items():
             for owner, method in methods:
