@@ -19,6 +19,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # inherit this) would only contend for the other worker's core.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import torch  # noqa: E402  (after the thread setting)
+
+from spec_nmt.errors import SpecNmtError
 from spec_nmt.files import written_whole
 from tests.toy_corpus import write_corpus
 
@@ -176,3 +179,18 @@ def build_toy(root):
         "untrained_drafter": root / "untrained_drafter" / "checkpoint_last.pt",
         "ar_drafter": root / "ar_drafter" / "checkpoint_last.pt",
     }
+
+
+def assert_refuses_changed_decoder(drafter, verifier):
+    """A drafter that decodes with a copy of the verifier's decoder refuses a verifier whose
+    decoder differs beyond fp16's rounding (the verifier is left as it was)."""
+    weight = verifier.decoder.layers[-1].fc2.weight
+    kept = weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] += 0.01 * (1 + weight[0, 0].abs())
+    try:
+        with pytest.raises(SpecNmtError, match="trained on another verifier's decoder"):
+            drafter.check_verifier_matches(verifier)
+    finally:
+        with torch.no_grad():
+            weight[0, 0] = kept
