@@ -128,3 +128,27 @@ def test_training_without_the_verifier_is_refused_in_one_line(toy, tmp_path):
     result = train_drafter(toy["bin"], tmp_path / "d", 1, "--arch", "heads_drafter", check=False)
     errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
     assert errors and "give --init-from-verifier VERIFIER.pt" in errors[0], result.stderr[-2000:]
+
+
+def test_adaptive_blocks_start_from_block_size_after_the_empty_first_iteration(pair):
+    """The first iteration drafts nothing: that is no rejection, so the next one drafts
+    --block-size tokens (not 1)."""
+    task, _, _ = pair
+    settings = DEFAULTS.replace(block_size=4, adaptive_block=True)
+    ((_, _, trace, _),) = generate_with_records(pair, settings, [[9, 10, 11, 12,
+                                                                   task.target_dictionary.eos()]])
+    assert trace[0].draft_tokens == [] and len(trace[1].draft_tokens) == 4
+
+
+def test_a_verifier_with_its_own_output_projection_is_refused_before_training(toy, tmp_path):
+    """A heads drafter ties its verifier copy's output projection to its embeddings: a verifier
+    with an untied one could never be matched, so training refuses it at once."""
+    state = torch.load(toy["verifier"], weights_only=False)
+    weights = state["model"]
+    weights["decoder.output_projection.weight"] = weights["decoder.embed_tokens.weight"] + 0.5
+    untied = tmp_path / "untied.pt"
+    torch.save(state, untied)
+    result = train_drafter(toy["bin"], tmp_path / "d", 1, "--arch", "heads_drafter",
+                           "--init-from-verifier", untied, check=False)  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
+    assert errors and "has an output projection of its own" in errors[0], result.stderr[-2000:]

@@ -4,9 +4,9 @@ a tree too, see tree.py). Every drafter keeps the ``Drafter`` contract below.
 * ``NarDrafter``: the non-autoregressive Spec-Drafter. One decoder pass over
   ``BOS + prefix + k [MASK]`` gives a distribution per block position; the node at depth d draws
   its children from position d+1's distribution, whatever its ancestors are.
-  Both NAR drafters may draft over a *draft vocabulary* (``restrict_output``): the target
-  symbols their training data uses most, so that the output projection, the largest matrix a
-  drafter reads per iteration, has only those rows.
+  The NAR drafters (this one, the cached and the heads drafter) may draft over a *draft
+  vocabulary* (``restrict_output``): the target symbols their training data uses most, so that
+  the output projection, the largest matrix a drafter reads per iteration, has only those rows.
 * ``CachedDrafter``: the cached drafter, NAR on the verifier's encoder output with a cached
   causal prefix.
 * ``HeadsDrafter``: draft heads on the verifier's own last-layer states (no decoder pass).
@@ -430,13 +430,17 @@ class HeadsDrafter(NarDrafter):
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> HeadsDrafterState:
         return HeadsDrafterState(source_memory(self.model.decoder, verifier_encoder_out))
 
-    def position_logits(self, state: HeadsDrafterState, tokens: Tensor, lengths: Tensor, k: int):
-        """Float logits [B, k, D] over the draft columns, from the first k heads."""
+    def check_depth(self, k: int) -> None:
+        """A one-line error for drafts deeper than the heads (before any decoding)."""
         if k > self.heads.count:
             raise SpecNmtError(
                 f"the drafter has {self.heads.count} draft heads: it drafts at most "
                 f"{self.heads.count} tokens per iteration (--block-size, tree depth), asked {k}"
             )
+
+    def position_logits(self, state: HeadsDrafterState, tokens: Tensor, lengths: Tensor, k: int):
+        """Float logits [B, k, D] over the draft columns, from the first k heads."""
+        self.check_depth(k)
         pending = self.model.decoder.embed_tokens(tokens.gather(1, lengths.unsqueeze(1)))
         features = self.heads(state.chooser, pending.squeeze(1), state.memory, k, self.project)
         return self._draft_columns(self.project(self.model.decoder.output_projection, features))

@@ -1,8 +1,9 @@
 """The speculative decoding loop, as a drop-in for fairseq's ``SequenceGenerator``.
 
 Each iteration, for every unfinished sentence of the batch:
-  1. draft:  the drafter proposes a draft tree after the verified prefix (a chain of k tokens
-             for top-beta/tau and speculative sampling, a wider tree for RSD);
+  1. draft:  the drafter proposes a draft tree after the verified prefix (a chain of k tokens,
+             or with --tree-branching a wider tree: the drafter's best tokens for top-beta/tau,
+             drawn ones for RSD);
   2. score:  the verifier scores [pending token, tree nodes] in one pass on its KV cache;
   3. accept: the rule keeps a path of drafts, then the verifier's own token follows (correction
              at the first rejection, bonus after a fully accepted path);
@@ -213,7 +214,7 @@ class SpeculativeGenerator:
             iterations += live
             accepted += n_accepted
             drafted += (tree.valid & live.unsqueeze(1)).sum(dim=1)
-            if self.settings.adaptive_block:
+            if self.settings.adaptive_block and tree.tokens.size(1):  # (no drafts: no verdict)
                 block_sizes = adapted_block_sizes(block_sizes, n_accepted, plan.depth,
                                                   self.plan.depth)  # fmt: skip
             n_kept = (n_accepted + 1) * live

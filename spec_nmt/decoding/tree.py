@@ -5,9 +5,10 @@ verifier). Nodes are stored level by level, so every row of a batch shares the d
 index; a chain of k drafts is the tree whose node i has parent i-1. The verifier scores the block
 ``[root, node_0 .. node_{N-1}]``; block entry 0 is the root and entry i+1 is node i.
 
-Siblings are drawn *without replacement* (Gumbel-top-k, or stochastic beam search over whole
-sequences, Kool et al., 2019) and stored in the order they were drawn, which is the order
-recursive rejection sampling (Jeon et al., 2024) tries them in. Letters as in verify.py: p is the
+Sampled siblings are drawn *without replacement* (Gumbel-top-k, or stochastic beam search over
+whole sequences, Kool et al., 2019) and stored in the order they were drawn, which is the order
+recursive rejection sampling (Jeon et al., 2024) tries them in; greedy trees (top-beta/tau) hold
+the drafter's best tokens, best first. Letters as in verify.py: p is the
 drafter, q the verifier.
 """
 
@@ -100,7 +101,7 @@ def block_visibility(parents: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _shared_visibility(parents: Tuple[int, ...], device: torch.device) -> Tensor:
-    return _visibility(torch.tensor([parents], device=device))
+    return _visibility(torch.tensor([parents], dtype=torch.long, device=device))
 
 
 def _visibility(parents: Tensor) -> Tensor:

@@ -4,9 +4,9 @@ with the pending token's embedding as EAGLE feeds it, Li et al., 2024).
 Head j maps the verifier state that chose the pending token, and that token's embedding, to a
 state for the j-th token after it (``DraftHeads``), and the verifier's own output projection
 (frozen) turns that into a distribution. Decoding takes the state from the verifier's block
-call, so drafting costs k small matrix products and one output projection of k rows: no decoder
-layer of its own, no pass over the prefix and no encoder. The first iteration of a sentence
-drafts nothing (no verifier state exists yet).
+call, so drafting costs a few one-row matrix products and one output projection of k rows: no
+decoder layer of its own, no pass over the prefix and no encoder. The first iteration of a
+sentence drafts nothing (no verifier state exists yet).
 
 Training runs the verifier (a frozen copy in the model, from ``--init-from-verifier``) over
 ``BOS + target`` once per sentence and trains only the heads, on the cached drafter's batches:
@@ -54,12 +54,13 @@ def source_memory(verifier_decoder, encoder_out, project: Project = plain) -> So
 
 class DraftHeads(nn.Module):
     """From the verifier state s that chose the pending token and that token's embedding e, a
-    shared trunk: ``z = s + SiLU(M [s; e])``, one attention over the source (its query from z,
-    the keys and values of the verifier's last encoder attention) ``z += O a``, a feed-forward
-    block ``z += F2 SiLU(F1 z)``; then ``count`` residual SiLU heads ``z + SiLU(H_j z)``, all
-    in one product. Every residual branch starts at zero (Medusa's initialisation: every head
-    first repeats the verifier's prediction). ``project(linear, x)`` runs each linear layer
-    (decoding passes prepacked products)."""
+    shared trunk: ``z = s + SiLU(M [s; e])``, one attention over the source (its query from
+    z, the keys and values of the verifier's last encoder attention) ``z += O a``, a feed-
+    forward block ``z += F2 SiLU(F1 z)``; then ``count`` residual SiLU heads ``z + SiLU(H_j
+    z)``, all in one product. Every residual branch starts at zero (Medusa's initialisation:
+    every head starts from the verifier's own prediction from that state, the pending token
+    itself). ``project(linear, x)`` runs each linear layer (decoding passes prepacked
+    products)."""
 
     def __init__(self, count: int, channels: int, attention_heads: int):
         super().__init__()
@@ -111,7 +112,7 @@ class HeadsDrafterModel(CachedDrafterModel):
             type=int,
             metavar="N",
             help="draft heads: the most tokens drafted per iteration (train with --block-size "
-            "at most N; more heads cost nothing at decoding until used)",
+            "at most N)",
         )
 
     @classmethod
@@ -171,7 +172,17 @@ class HeadsDrafterModel(CachedDrafterModel):
         return self.decoder.output_layer(features), {}
 
     def initialize_from_verifier(self, path, checkpoint):
-        """Also start the heads' source query as the verifier's last encoder-attention query."""
+        """Also start the heads' source query as the verifier's last encoder-attention query.
+        The copy ties its output projection to its embeddings: a verifier with its own output
+        projection would never match it, so it is refused now, not after training."""
+        weights = checkpoint["model"]
+        output = weights.get("decoder.output_projection.weight")
+        if output is not None and not torch.equal(output, weights["decoder.embed_tokens.weight"]):
+            raise SpecNmtError(
+                f"--init-from-verifier: {path} has an output projection of its own (untied "
+                "decoder embeddings): a heads drafter needs a verifier trained with "
+                "--share-decoder-input-output-embed or --share-all-embeddings"
+            )
         super().initialize_from_verifier(path, checkpoint)
         with torch.no_grad():
             query = self.decoder.layers[-1].encoder_attn.q_proj

@@ -409,6 +409,8 @@ class SpecTranslationTask(TranslationTask):
             project = self._packed_verifiers[verifier_model] = PackedLinears(verifier_model)
         verifier = TransformerVerifier(verifier_model, temperature=settings.temperature,
                                        project=project)  # fmt: skip
+        if isinstance(drafter, HeadsDrafter):
+            drafter.check_depth(settings.draft_plan.depth)
         generator = SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings)
         # (the drafter it runs: none with k = 0)
         self._source_token_limit = self.source_token_limit(verifier_model, generator.drafter)
@@ -518,7 +520,7 @@ def read_draft_vocabulary(state, path: str, dictionary,
         return None
     problem = None
     if autoregressive:
-        problem = "only the Spec-Drafter and the cached drafter draft over a vocabulary"
+        problem = "only the NAR drafters (Spec-Drafter, cached, heads) draft over a vocabulary"
     elif not isinstance(vocabulary, torch.Tensor) or vocabulary.dim() != 1 or (
         vocabulary.is_floating_point() or vocabulary.numel() == 0
     ):
