@@ -181,6 +181,9 @@ class OracleDrafter:
     def commit(self, state, keep, n_keep, verifier_states=None):
         pass
 
+    def check_depth(self, depth):
+        pass
+
     def select_rows(self, state, keep):
         state["rows"] = state["rows"][keep]
 

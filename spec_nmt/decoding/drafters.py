@@ -110,6 +110,10 @@ class Drafter(Protocol):
     def select_rows(self, state, rows: Tensor) -> None:
         """Keep only ``rows`` of the batch."""
 
+    def check_depth(self, depth: int) -> None:
+        """A one-line error for drafts ``depth`` deep that the drafter cannot make (the
+        generator asks once, before decoding)."""
+
 
 # expand(level tokens [B, n], their visibility over uncommitted entries [B, n, U+n], their depth)
 #   -> log-probs [B, n, V] of each node's children
@@ -240,6 +244,9 @@ class NarDrafter:
         decoder_input = masked_input(tokens, lengths + 1, k, self.mask, self.pad)
         logits, _ = self.model.decoder(decoder_input, encoder_out)  # at the masks only
         return self._draft_columns(logits)
+
+    def check_depth(self, depth: int) -> None:
+        """Any depth: one pass fills as many masks."""
 
     def _draft_columns(self, logits: Tensor) -> Tensor:
         """The columns a draft may take: the vocabulary's, or without a vocabulary the
@@ -431,7 +438,7 @@ class HeadsDrafter(NarDrafter):
         return HeadsDrafterState(source_memory(self.model.decoder, verifier_encoder_out))
 
     def check_depth(self, k: int) -> None:
-        """A one-line error for drafts deeper than the heads (before any decoding)."""
+        """No more drafts than heads."""
         if k > self.heads.count:
             raise SpecNmtError(
                 f"the drafter has {self.heads.count} draft heads: it drafts at most "
@@ -440,7 +447,6 @@ class HeadsDrafter(NarDrafter):
 
     def position_logits(self, state: HeadsDrafterState, tokens: Tensor, lengths: Tensor, k: int):
         """Float logits [B, k, D] over the draft columns, from the first k heads."""
-        self.check_depth(k)
         pending = self.model.decoder.embed_tokens(tokens.gather(1, lengths.unsqueeze(1)))
         features = self.heads(state.chooser, pending.squeeze(1), state.memory, k, self.project)
         return self._draft_columns(self.project(self.model.decoder.output_projection, features))
@@ -448,11 +454,7 @@ class HeadsDrafter(NarDrafter):
     def propose(self, state: HeadsDrafterState, tokens, lengths, plan: DraftPlan,
                 generator) -> DraftTree:  # fmt: skip
         if state.chooser is None:  # no verifier state yet: no drafts (the verifier's own step)
-            batch = tokens.size(0)
-            probs = None
-            if plan.sample:  # the root entry's (never read: it has no children)
-                probs = tokens.new_zeros(batch, 1, self.mask, dtype=torch.float)
-            return chain(tokens.new_zeros(batch, 0), probs)
+            return no_drafts(tokens, self.mask, plan.sample)  # ([MASK] follows every symbol)
         return super().propose(state, tokens, lengths, plan, generator)
 
     def commit(self, state: HeadsDrafterState, keep: Optional[Tensor], n_keep: Tensor,
@@ -489,9 +491,7 @@ class NoDrafter:
         return None
 
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
-        batch = tokens.size(0)
-        probs = tokens.new_zeros(batch, 0, self.symbols, dtype=torch.float) if plan.sample else None
-        return chain(tokens.new_zeros(batch, 0), probs)
+        return no_drafts(tokens, self.symbols, plan.sample)
 
     def commit(self, state, keep: Optional[Tensor], n_keep: Tensor,
                verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
@@ -499,6 +499,17 @@ class NoDrafter:
 
     def select_rows(self, state, rows: Tensor) -> None:
         """Nothing per row."""
+
+    def check_depth(self, depth: int) -> None:
+        """It drafts nothing at any depth."""
+
+
+def no_drafts(tokens: Tensor, symbols: int, sample: bool) -> DraftTree:
+    """A tree without nodes for each row of ``tokens``; a sampling rule also gets the root's
+    drafter distribution over ``symbols`` (zeros, never read: the root has no children)."""
+    batch = tokens.size(0)
+    probs = tokens.new_zeros(batch, 1, symbols, dtype=torch.float) if sample else None
+    return chain(tokens.new_zeros(batch, 0), probs)
 
 
 class ArDrafter:
@@ -539,3 +550,6 @@ class ArDrafter:
 
     def select_rows(self, state, rows: Tensor) -> None:
         self.scorer.select_rows(state, rows)
+
+    def check_depth(self, depth: int) -> None:
+        """Any depth: it feeds one level per step."""

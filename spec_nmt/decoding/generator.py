@@ -93,6 +93,7 @@ class SpeculativeGenerator:
         # k = 0: the verifier alone, whatever drafter was loaded
         self.drafter = drafter if self.plan.depth else NoDrafter(verifier.max_positions(),
                                                                  len(tgt_dict))  # fmt: skip
+        self.drafter.check_depth(self.plan.depth)
         self.verify = settings.verify
         self._rng: Optional[torch.Generator] = None
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()

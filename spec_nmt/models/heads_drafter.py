@@ -99,6 +99,9 @@ class HeadsDrafterModel(CachedDrafterModel):
     ``--task spec_translation --init-from-verifier VERIFIER.pt``; it drafts only with that
     verifier (checked when loaded)."""
 
+    # a block reads the state that chose its cut's last prefix token, which BOS alone has not
+    FIRST_CUT = 1
+
     def __init__(self, args, encoder, decoder):
         super().__init__(args, encoder, decoder)
         self.heads = DraftHeads(args.draft_heads, decoder.output_embed_dim,

@@ -156,6 +156,9 @@ class SpecDrafterModel(TransformerModel):
         dictionaries = SimpleNamespace(source_dictionary=src_dict, target_dictionary=tgt_dict)
         return super().build_model(args, dictionaries)
 
+    # The earliest cut a training block may follow (0: right after BOS).
+    FIRST_CUT = 0
+
     # Name prefixes of the verifier's tensors this drafter starts from: the encoder (and, always,
     # the token embeddings and output projection), SpecDec's drafter initialisation.
     VERIFIER_PARTS = ("encoder.",)

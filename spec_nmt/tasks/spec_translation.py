@@ -346,9 +346,7 @@ class SpecTranslationTask(TranslationTask):
         uniform = torch.rand(target_lengths.size(0), generator=generator).to(target.device)
         stratum = torch.arange(target_lengths.size(0), device=target.device) % m
         fraction = (stratum + uniform) / m
-        # c in [first, len): a heads drafter reads the state that chose the cut's last prefix
-        # token, which BOS alone has not
-        first = int(isinstance(_unwrapped(model), HeadsDrafterModel))
+        first = _unwrapped(model).FIRST_CUT  # c in [first, len)
         cuts = first + (fraction * (target_lengths - first)).long()
         cuts = torch.minimum(cuts, (target_lengths - 1).clamp(min=first))
 
@@ -409,8 +407,6 @@ class SpecTranslationTask(TranslationTask):
             project = self._packed_verifiers[verifier_model] = PackedLinears(verifier_model)
         verifier = TransformerVerifier(verifier_model, temperature=settings.temperature,
                                        project=project)  # fmt: skip
-        if isinstance(drafter, HeadsDrafter):
-            drafter.check_depth(settings.draft_plan.depth)
         generator = SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings)
         # (the drafter it runs: none with k = 0)
         self._source_token_limit = self.source_token_limit(verifier_model, generator.drafter)
