@@ -346,7 +346,8 @@ class SpecTranslationTask(TranslationTask):
         uniform = torch.rand(target_lengths.size(0), generator=generator).to(target.device)
         stratum = torch.arange(target_lengths.size(0), device=target.device) % m
         fraction = (stratum + uniform) / m
-        first = _unwrapped(model).FIRST_CUT  # c in [first, len)
+        # c in [first, len); no model (a caller's layout check) cuts as a Spec-Drafter
+        first = getattr(_unwrapped(model), "FIRST_CUT", SpecDrafterModel.FIRST_CUT)
         cuts = first + (fraction * (target_lengths - first)).long()
         cuts = torch.minimum(cuts, (target_lengths - 1).clamp(min=first))
 
