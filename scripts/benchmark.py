@@ -263,6 +263,12 @@ def run(args):
         systems[f"spec tree {tree} beta={args.beta} tau={args.tau}"] = pair.generator(
             tree_branching=tree, beta=args.beta, tau=args.tau
         )
+    for width, depth in args.beam_trees:  # ... and over the drafter's most probable sequences
+        shape = {"block_size": depth, "tree_budget": width * depth}
+        systems[f"spec lossless beam tree {width}x{depth}"] = pair.generator(**shape)
+        systems[f"spec beam tree {width}x{depth} beta={args.beta} tau={args.tau}"] = (
+            pair.generator(**shape, beta=args.beta, tau=args.tau)
+        )
     batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
     # The reference for "identical": stock greedy one sentence at a time. In a batch,
     # SequenceGenerator caps every row's length by the longest source; speculative decoding caps
@@ -399,6 +405,10 @@ def ceiling(args):
         if args.tree_branching:
             systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = pair.generator(
                 tree_branching=args.tree_branching
+            )
+        for width, depth in args.beam_trees:
+            systems[f"spec lossless, real drafter, beam tree {width}x{depth}"] = pair.generator(
+                block_size=depth, tree_budget=width * depth
             )
         decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
         timers = {name: PhaseTimer(g) for name, g in systems.items() if name != "fairseq greedy"}
@@ -594,6 +604,15 @@ def sampling_system(text):
     raise argparse.ArgumentTypeError(f"unknown system {text!r} (chain:K, rsd-c:B-B-..., rsd-s:WxD)")
 
 
+def beam_shape(text):
+    """WIDTHxDEPTH (e.g. 3x4) → (width, depth)."""
+    try:
+        width, depth = (int(x) for x in text.split("x"))
+        return width, depth
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxDEPTH (e.g. 3x4)") from None
+
+
 def tree_nodes(plan: DraftPlan) -> int:
     """Drafted tokens per verifier call (the verifier's budget beyond the pending token)."""
     if plan.beam_width:
@@ -722,6 +741,9 @@ def main():
     parser.add_argument("--tree-branching", default=None,
                         help="run, ceiling: also decode with a greedy draft tree of this shape "
                         "(e.g. 3,1,1), lossless (and in run with --beta/--tau)")
+    parser.add_argument("--beam-trees", type=comma_list(beam_shape), default=[],
+                        help="run, ceiling: also decode with greedy draft trees grown by beam "
+                        "search, WIDTHxDEPTH each (e.g. 3x4: --block-size 4 --tree-budget 12)")
     parser.add_argument("--output-dir", default=None, help="run: write each system's translations here")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
     parser.add_argument("--drafter", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")

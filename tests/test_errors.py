@@ -36,7 +36,7 @@ def assert_one_line_error(result, *fragments):
         (["--block-size", 0, "--adaptive-block"], "neither a draft tree"),
         (["--block-size", 0, "--tree-branching", "2,1"], "--block-size 0 (no drafts) decodes"),
         (["--adaptive-block", "--tree-branching", "2,1"], "does not fit a draft tree"),
-        (["--tree-budget", 6], "--tree-budget (stochastic beam search) needs --verify rsd"),
+        (["--adaptive-block", "--tree-budget", 6], "does not fit a draft tree"),
         (["--beta", 0], "--beta must be an integer >= 1"),
         (["--tau", -0.5], "--tau must be >= 0"),
         (["--beam", 5], "--beam 5 cannot be combined with --drafter-path"),

@@ -93,14 +93,18 @@ def test_adaptive_block_is_identical_to_stock_greedy(toy, stock_greedy, drafter)
     assert hypotheses(output) == stock_greedy[16]
 
 
+@pytest.mark.parametrize("shape", [("--tree-branching", "3,2,1"),
+                                   ("--block-size", 3, "--tree-budget", 9)])  # fmt: skip
 @pytest.mark.parametrize("batch_size", [1, 16])
 @pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter", "heads_drafter"])
-def test_greedy_draft_trees_are_identical_to_stock_greedy(toy, stock_greedy, drafter, batch_size):
-    """--tree-branching with top_beta: each node's children are the drafter's best tokens, the
-    verifier scores the tree in one pass and follows its own picks down it; more drafts are
+def test_greedy_draft_trees_are_identical_to_stock_greedy(toy, stock_greedy, drafter, batch_size,
+                                                          shape):  # fmt: skip
+    """Greedy draft trees with top_beta: each node's children are the drafter's best tokens
+    (--tree-branching) or the sequences a beam search over the drafter keeps (--tree-budget);
+    the verifier scores the tree in one pass and follows its own picks down it; more drafts are
     accepted than along the chain of the same depth."""
     chain = mean_accepted(generate(toy, batch_size, drafter, "--block-size", 3))
-    output = generate(toy, batch_size, drafter, "--tree-branching", "3,2,1")
+    output = generate(toy, batch_size, drafter, *shape)
     assert hypotheses(output) == stock_greedy[batch_size]
     assert mean_accepted(output) > chain
 

@@ -334,3 +334,75 @@ def test_greedy_tree_equals_the_grown_greedy_tree():
     assert shared.shape == (1, 16, 16)
     assert torch.equal(shared[0], trees.block_visibility(grown.parents)[3])
     assert trees.block_visibility(shortcut.parents) is shared
+
+
+def beam_search(logprobs, depth, width):
+    """Plain Python beam search over independent positions (logprobs [k, V]): the ``width``
+    most probable extensions of the last level's sequences (none extends an EOS), best first."""
+    beams = [((), 0.0)]
+    for level in range(depth):
+        extensions = [(sequence + (token,), score + float(logprobs[level, token]))
+                      for sequence, score in beams if not sequence or sequence[-1] != EOS
+                      for token in range(logprobs.size(1))]  # fmt: skip
+        beams = sorted(extensions, key=lambda s: -s[1])[:width]
+    return [sequence for sequence, _ in beams]
+
+
+def test_beam_tree_holds_the_sequences_beam_search_keeps():
+    """--tree-budget with top_beta: level d of the tree holds the ``width`` sequences of d
+    tokens that beam search keeps (by plain Python here: the most probable extensions of the
+    level above), a sequence that ends in EOS is not extended, and the NAR shortcut from each
+    position's best tokens equals growing the beam over the whole vocabulary."""
+    torch.manual_seed(2)
+    width, depth = 3, 3
+    logprobs = torch.randn(4, depth, 7).log_softmax(-1)
+    logprobs[0, 0, EOS] = 2.0  # row 0: EOS is the best first token
+    logprobs[1, 1, EOS] = 2.0  # row 1: the best second token
+    best_logprobs, best = logprobs.topk(width, dim=-1)
+    tree = trees.beam_tree(best_logprobs, best, width, EOS)
+    assert tree.depths.tolist() == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for row in range(4):
+        for level in range(1, depth + 1):
+            held = []
+            for node in range((level - 1) * width, level * width):
+                sequence = [int(tree.tokens[row, node])]
+                parent = int(tree.parents[row, node])
+                while parent >= 0:
+                    sequence.insert(0, int(tree.tokens[row, parent]))
+                    parent = int(tree.parents[row, parent])
+                held.append(tuple(sequence))
+            assert held == beam_search(logprobs[row], level, width), (row, level)
+    # row 0's EOS node has no children: every deeper node descends from the other two
+    eos_node = tree.tokens[0, :width].tolist().index(EOS)
+    assert eos_node not in tree.parents[0, width:].tolist()
+    assert tree.valid.all()
+
+    def expand(level_tokens, _visible, level):
+        position = logprobs[:, min(level, depth - 1)]
+        return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
+
+    plan = DraftPlan(beam_width=width, beam_depth=depth)
+    grown = grow_tree(plan, torch.full((4,), 5), expand, EOS, None, False)
+    for field in ("tokens", "parents", "depths", "valid"):
+        assert torch.equal(getattr(grown, field), getattr(tree, field)), field
+
+
+def test_beam_tree_acceptance_follows_parents_across_the_level():
+    """A beam tree's nodes are ordered by probability, not by parent: node 2 (depth 2) hangs
+    below node 1, node 3 below node 0. The rule follows the parents: root picks node 1's
+    token, node 1's entry picks node 2's, so the path is [1, 2] and node 2's pick follows."""
+    parents, depths = torch.tensor([[-1, -1, 1, 0]]), torch.tensor([1, 1, 2, 2])
+    tree = trees.DraftTree(torch.tensor([[3, 4, 5, 6]]), parents, depths,
+                           torch.ones(1, 4, dtype=torch.bool))  # fmt: skip
+    # entries: root, nodes 0..3; node 0's entry would pick 6 (node 3), but node 0 is rejected
+    scores = scores_with_best([4, 6, 5, 1, 1])
+    for beta, tau in ((1, 0.0), (2, 1.0)):
+        path, n_accepted, next_tokens = trees.accept_top_beta_tree(tree, scores, beta, tau, EOS)
+        assert path.tolist() == [[1, 2]] and n_accepted.tolist() == [2]
+        assert next_tokens.tolist() == [1]
+    # node 1's entry picks 6, which hangs below node 0: node 1 is accepted, node 3 is not
+    path, n_accepted, next_tokens = trees.accept_top_beta_tree(
+        tree, scores_with_best([4, 6, 6, 1, 1]), 1, 0.0, EOS
+    )
+    assert path.tolist() == [[1, -1]] and n_accepted.tolist() == [1]
+    assert next_tokens.tolist() == [6]

@@ -29,7 +29,9 @@ class DecodingSettings:
     # children per node at each depth: rsd's RSD-C tree, or a tree of the drafter's best tokens
     # for top_beta (chains without it)
     tree_branching: Optional[str] = None
-    tree_budget: int = 0  # rsd, RSD-S: nodes per iteration (stochastic beam search)
+    # nodes per iteration, grown by beam search over the drafter's sequences (stochastic for
+    # rsd: RSD-S); block_size levels of tree_budget // block_size nodes each
+    tree_budget: int = 0
     adaptive_block: bool = False  # chains: k per sentence from its acceptance, at most block_size
     # sampling (rules sampling and rsd)
     temperature: float = 1.0
@@ -61,18 +63,13 @@ class DecodingSettings:
         rule = RULES[self.verify]
         if not rule.trees and (self.tree_branching or self.tree_budget):
             raise SpecNmtError(
-                f"--verify {self.verify} drafts a chain: --tree-branching needs --verify "
-                "top_beta or rsd, --tree-budget needs --verify rsd"
-            )
-        if self.tree_budget and not rule.sampled_drafts:
-            raise SpecNmtError(
-                "--tree-budget (stochastic beam search) needs --verify rsd; greedy draft trees "
-                "take --tree-branching"
+                f"--verify {self.verify} drafts a chain: --tree-branching and --tree-budget "
+                "need --verify top_beta or rsd"
             )
         if self.tree_branching and self.tree_budget:
             raise SpecNmtError(
-                "--verify rsd takes one of --tree-branching (RSD-C, e.g. 3,2,2,1) and "
-                "--tree-budget (RSD-S, nodes per iteration), not both"
+                "a draft tree takes one of --tree-branching (children per node at each depth, "
+                "e.g. 3,2,2,1) and --tree-budget (nodes per iteration, beam search), not both"
             )
         branches = bool(self.tree_branching or self.tree_budget or rule.default_branching)
         if self.block_size == 0 and (branches or self.adaptive_block):
@@ -103,7 +100,7 @@ class DecodingSettings:
         if width < 1:
             raise SpecNmtError(
                 f"--tree-budget {self.tree_budget} is smaller than --block-size {self.block_size}: "
-                "RSD-S needs at least one node per level"
+                "the beam needs at least one node per level"
             )
         return DraftPlan(beam_width=width, beam_depth=self.block_size, sample=rule.sampled_drafts)
 

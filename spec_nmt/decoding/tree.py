@@ -8,8 +8,8 @@ index; a chain of k drafts is the tree whose node i has parent i-1. The verifier
 Sampled siblings are drawn *without replacement* (Gumbel-top-k, or stochastic beam search over
 whole sequences, Kool et al., 2019) and stored in the order they were drawn, which is the order
 recursive rejection sampling (Jeon et al., 2024) tries them in; greedy trees (top-beta/tau) hold
-the drafter's best tokens, best first. Letters as in verify.py: p is the
-drafter, q the verifier.
+the drafter's best tokens, best first, or the sequences beam search over the drafter keeps.
+Letters as in verify.py: p is the drafter, q the verifier.
 """
 
 import functools
@@ -67,6 +67,32 @@ def greedy_tree(best: Tensor, branching: Tuple[int, ...], eos: int) -> DraftTree
     tokens = best[:, depths - 1, rank]  # [B, N]
     after_eos = (tokens.eq(eos).unsqueeze(1) & strict_ancestors).any(dim=2)
     return DraftTree(tokens, parents.expand(batch, -1), depths, ~after_eos)
+
+
+def beam_tree(best_logprobs: Tensor, best: Tensor, width: int, eos: int) -> DraftTree:
+    """The tree that beam search of width ``width`` grows over a NAR drafter's positions
+    (which do not depend on the path above them): level d holds the ``width`` most probable
+    one-token extensions of level d-1's sequences, best first. ``best`` [B, k, m] holds each
+    position's m >= width best tokens, best first, ``best_logprobs`` their log-probs. A
+    sequence that ends in EOS is not extended. Equal to growing the tree with ``beam_step``
+    over the whole vocabulary: a beam's ``width`` best extensions use only its position's
+    ``width`` best tokens."""
+    batch, depth, _ = best.shape
+    tokens, parents, valid = [best.new_zeros(batch, 0)], [best.new_zeros(batch, 0)], []
+    logprobs = best_logprobs.new_zeros(batch, 1)  # the root's
+    extendable = torch.ones(batch, 1, dtype=torch.bool, device=best.device)
+    for level in range(depth):
+        beams = logprobs.masked_fill(~extendable, float("-inf"))
+        candidates = beams.unsqueeze(2) + best_logprobs[:, level, :width].unsqueeze(1)
+        logprobs, flat = candidates.flatten(1).topk(width, dim=1)  # [B, width], best first
+        tokens.append(best[:, level].gather(1, flat % width))
+        first_parent = (level - 1) * width  # the node index of the level above's first
+        parents.append(flat // width + first_parent if level else torch.full_like(flat, -1))
+        valid.append(logprobs.isfinite())
+        extendable = valid[-1] & tokens[-1].ne(eos)
+    depths = torch.arange(1, depth + 1, device=best.device).repeat_interleave(width)
+    valid = torch.cat(valid, 1) if valid else tokens[0].bool()
+    return DraftTree(torch.cat(tokens, 1), torch.cat(parents, 1), depths, valid)
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,6 +187,21 @@ def stochastic_beam_step(
     best, flat = scores.view(batch, -1).topk(width, dim=1)
     parent, token = flat // vocab, flat % vocab
     return parent, token, logprobs.view(batch, -1).gather(1, flat), best
+
+
+def beam_step(
+    beam_logprobs: Tensor,  # [B, W] log p of each beam's sequence; -inf for no beam
+    child_logprobs: Tensor,  # [B, W, V] log p of each next token after each beam
+    width: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """One level of (deterministic) beam search: the ``width`` most probable extensions.
+
+    Returns (parent beam [B, width], token [B, width], logprob [B, width]), best first; logprob
+    is -inf where fewer extensions exist. A parent's children hold distinct tokens."""
+    batch, _, vocab = child_logprobs.shape
+    logprobs = (beam_logprobs.unsqueeze(2) + child_logprobs).view(batch, -1)
+    best, flat = logprobs.topk(width, dim=1)
+    return flat // vocab, flat % vocab, best
 
 
 def _log1mexp(x: Tensor) -> Tensor:
@@ -278,8 +319,7 @@ def accept_top_beta_tree(
     # the same call picks the best token and the candidates, so ties resolve alike (see
     # accept_top_beta); max is the fast form of topk(1)
     if beta == 1:
-        best_scores, best_tokens = verifier_scores.max(dim=-1)
-        top_tokens = best_tokens.unsqueeze(-1)
+        best_tokens = verifier_scores.max(dim=-1).indices
     else:
         top_scores, top_tokens = verifier_scores.topk(beta, dim=-1)  # [B, N+1, beta]
         best_scores, best_tokens = top_scores[:, :, 0], top_tokens[:, :, 0]
@@ -288,30 +328,37 @@ def accept_top_beta_tree(
         empty = tree.tokens.new_zeros(batch, 0)
         return empty, empty.new_zeros(batch), best_tokens[:, 0]
     parent_entry = (tree.parents + 1).clamp(min=0)  # [B, N]: the entry each node is judged at
-    node_scores = verifier_scores[
-        torch.arange(batch, device=device).unsqueeze(1), parent_entry, tree.tokens
-    ]
-    in_top_beta = top_tokens.gather(
-        1, parent_entry.unsqueeze(2).expand(-1, -1, top_tokens.size(2))
-    ).eq(tree.tokens.unsqueeze(2)).any(dim=2)
-    passes = in_top_beta & (node_scores >= best_scores.gather(1, parent_entry) - tau) & tree.valid
-    # each entry's accepted child: its best passing child, the first drawn among equals
-    ranking = node_scores.masked_fill(~passes, float("-inf"))
-    entry_best = ranking.new_full((batch, n + 1), float("-inf")).scatter_reduce(
-        1, parent_entry, ranking, "amax"
-    )
-    chosen = passes & ranking.eq(entry_best.gather(1, parent_entry))
     nodes = torch.arange(n, device=device).expand(batch, n)
     unchosen = torch.full_like(nodes, n)
-    first = unchosen.new_full((batch, n + 1), n).scatter_reduce(
-        1, parent_entry, torch.where(chosen, nodes, unchosen), "amin"
-    )
-    chosen &= nodes.eq(first.gather(1, parent_entry))
+    if beta == 1:
+        # only the verifier's best token passes (its score is the best: tau holds), and
+        # siblings hold distinct tokens, so it is the one child accepted
+        chosen = best_tokens.gather(1, parent_entry).eq(tree.tokens) & tree.valid
+    else:
+        node_scores = verifier_scores[
+            torch.arange(batch, device=device).unsqueeze(1), parent_entry, tree.tokens
+        ]
+        in_top_beta = top_tokens.gather(
+            1, parent_entry.unsqueeze(2).expand(-1, -1, top_tokens.size(2))
+        ).eq(tree.tokens.unsqueeze(2)).any(dim=2)
+        passes = (in_top_beta & (node_scores >= best_scores.gather(1, parent_entry) - tau)
+                  & tree.valid)  # fmt: skip
+        # each entry's accepted child: its best passing child, the first drawn among equals
+        ranking = node_scores.masked_fill(~passes, float("-inf"))
+        entry_best = ranking.new_full((batch, n + 1), float("-inf")).scatter_reduce(
+            1, parent_entry, ranking, "amax"
+        )
+        chosen = passes & ranking.eq(entry_best.gather(1, parent_entry))
+        first = unchosen.new_full((batch, n + 1), n).scatter_reduce(
+            1, parent_entry, torch.where(chosen, nodes, unchosen), "amin"
+        )
+        chosen &= nodes.eq(first.gather(1, parent_entry))
     # on the path: chosen below an entry on the path (the root is; an accepted EOS ends it)
     on_path = chosen
     root = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    not_eos = tree.tokens.ne(eos)
     for _ in range(max_depth - 1):
-        extends = torch.cat([root, on_path & tree.tokens.ne(eos)], dim=1)
+        extends = torch.cat([root, on_path & not_eos], dim=1)
         on_path = chosen & extends.gather(1, parent_entry)
     n_accepted = on_path.sum(dim=1)
     path = torch.where(on_path, nodes, unchosen).sort(dim=1).values[:, :max_depth]

@@ -130,8 +130,10 @@ class SpecTranslationConfig(TranslationConfig):
     tree_budget: int = field(
         default=DEFAULTS.tree_budget,
         metadata={
-            "help": "--verify rsd, RSD-S: tree nodes per iteration; stochastic beam search with "
-            "width tree-budget // block-size over block-size levels"
+            "help": "a draft tree of about this many nodes per iteration: beam search over the "
+            "drafter's sequences, width tree-budget // block-size over block-size levels; "
+            "stochastic for --verify rsd (RSD-S), the most probable sequences for --verify "
+            "top_beta (still lossless with --beta 1 --tau 0)"
         },
     )
     adaptive_block: bool = field(
