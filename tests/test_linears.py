@@ -120,8 +120,9 @@ def test_the_task_packs_a_verifier_once():
 @pytest.mark.parametrize("variant", list(DECODER_VARIANTS))
 def test_the_encoder_forward_gives_the_stock_encoders_output(variant):
     """Every encoder shape of the verifier variants (pre-norm, layernorm-embedding, learned or no
-    positions, ...), a left-padded batch: the same output at every real token, the same padding
-    and lengths, with the packed products and with the layers' own."""
+    positions, ...), a left-padded batch: the same output at every real token (only they are
+    computed: zeros at the padding), the same padding and lengths, with the packed products and
+    with the layers' own."""
     model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
     assert block_forward.encoder_supported(model.encoder)
     net_input = source_batch(dictionary, 3)
@@ -133,6 +134,7 @@ def test_the_encoder_forward_gives_the_stock_encoders_output(variant):
         assert set(ours) == set(stock)
         difference = (ours["encoder_out"][0] - stock["encoder_out"][0]) * real
         assert difference.abs().max() < 1e-5
+        assert real.logical_not().any() and not ours["encoder_out"][0].masked_select(~real).any()
         for key in ("encoder_padding_mask", "encoder_embedding", "src_lengths"):
             assert torch.equal(ours[key][0], stock[key][0]), key
 
