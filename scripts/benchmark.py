@@ -599,18 +599,20 @@ def sampling_system(text):
     if kind == "rsd-c":
         return f"RSD-C {shape}", {"verify": "rsd", "tree_branching": shape.replace("-", ",")}
     if kind == "rsd-s":
-        width, depth = (int(x) for x in shape.split("x"))
+        width, depth = beam_shape(shape)
         return f"RSD-S {shape}", {"verify": "rsd", "tree_budget": width * depth, "block_size": depth}
     raise argparse.ArgumentTypeError(f"unknown system {text!r} (chain:K, rsd-c:B-B-..., rsd-s:WxD)")
 
 
 def beam_shape(text):
-    """WIDTHxDEPTH (e.g. 3x4) → (width, depth)."""
+    """WIDTHxDEPTH (e.g. 3x4, both at least 1) → (width, depth)."""
     try:
         width, depth = (int(x) for x in text.split("x"))
-        return width, depth
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxDEPTH (e.g. 3x4)") from None
+        width = depth = 0
+    if min(width, depth) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxDEPTH (e.g. 3x4)")
+    return width, depth
 
 
 def tree_nodes(plan: DraftPlan) -> int:

@@ -138,14 +138,15 @@ class SpecTranslator:
         """Sample translations exactly from the verifier (temperature, sampling_topk,
         sampling_topp), several tokens per verifier call; ``verify`` is ``sampling`` or ``rsd``
         (draft tree: tree_branching or tree_budget, else the default tree), by default the
-        translator's rule if it samples, else ``rsd`` over its tree_branching or, without one,
-        ``sampling``. Equal seeds give equal samples.
+        translator's rule if it samples, else ``rsd`` over its tree (tree_branching: RSD-C,
+        tree_budget: RSD-S) or, without one, ``sampling``. Equal seeds give equal samples.
         Lines are split into sentences as in translate()."""
         sampling_rules = [name for name, rule in RULES.items() if rule.sampled_drafts]
         if verify is None:
             verify = self.settings.verify
             if verify not in sampling_rules:  # the translator's tree, if any, sampled with RSD
-                verify = "rsd" if self.settings.tree_branching else "sampling"
+                has_tree = self.settings.tree_branching or self.settings.tree_budget
+                verify = "rsd" if has_tree else "sampling"
         if verify not in sampling_rules:
             choices = " or ".join(repr(name) for name in sampling_rules)
             raise SpecNmtError(f"sample() takes verify={choices}, got {verify!r}")

@@ -11,6 +11,7 @@ from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 
 from spec_nmt.checkpoint_loading import save_checkpoint
+from spec_nmt.decoding import tree as trees
 from spec_nmt.decoding.drafters import (
     CachedDrafter,
     DraftPlan,
@@ -94,6 +95,14 @@ def test_drafts_are_the_whole_projections_best_among_the_vocabulary(toy, kind):
     best = vocabulary[full_logits[:, :, vocabulary].max(-1).indices]
     valid = chain.valid
     assert torch.equal(chain.tokens[valid], best[valid])
+
+    beam = part.propose(part.start(net_input, encoder_out), tokens, lengths,
+                        DraftPlan(beam_width=2, beam_depth=k), None)  # fmt: skip
+    restricted_logprobs = full_logits[:, :, vocabulary].log_softmax(-1)
+    best_logprobs, best_columns = restricted_logprobs.topk(2, dim=-1)
+    expected = trees.beam_tree(best_logprobs, vocabulary[best_columns], 2, eos)
+    for field in ("tokens", "parents", "valid"):
+        assert torch.equal(getattr(beam, field), getattr(expected, field)), field
 
     sampled = part.propose(part.start(net_input, encoder_out), tokens, lengths,
                            DraftPlan.chain(k, sample=True), torch.Generator().manual_seed(0))

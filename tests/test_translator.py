@@ -74,6 +74,11 @@ def test_samples_are_reproducible_with_a_seed(translator):
     # a translator made for RSD samples with RSD by default, with its own tree
     rsd = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, verify="rsd", tree_branching="2,1,1")
     assert rsd.sample(lines, temperature=0.8, seed=5) == first
+    # one made for greedy beam trees samples its tree with RSD-S
+    beam = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, block_size=3, tree_budget=6)
+    assert beam.sample(lines, temperature=0.8, seed=5) == translator.sample(
+        lines, temperature=0.8, seed=5, verify="rsd", block_size=3, tree_budget=6
+    )
 
 
 @pytest.mark.parametrize(

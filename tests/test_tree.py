@@ -406,3 +406,24 @@ def test_beam_tree_acceptance_follows_parents_across_the_level():
     )
     assert path.tolist() == [[1, -1]] and n_accepted.tolist() == [1]
     assert next_tokens.tolist() == [6]
+
+
+def test_beam_tree_leaves_empty_slots_below_a_drafted_eos_and_may_be_empty():
+    """A beam of width 1 whose first draft is EOS cannot go on: every deeper node is an empty
+    slot (never accepted). A plan of depth 0 (near the position limit) drafts nothing."""
+    logprobs = torch.randn(2, 3, 7).log_softmax(-1)
+    logprobs[0, 0, EOS] = 2.0  # row 0 drafts EOS first
+    logprobs[1, :, EOS] = -50.0  # row 1 never does
+    best_logprobs, best = logprobs.topk(1, dim=-1)
+    tree = trees.beam_tree(best_logprobs, best, 1, EOS)
+    assert tree.valid.tolist() == [[True, False, False], [True, True, True]]
+    assert tree.parents.tolist() == [[-1, 0, 1], [-1, 0, 1]]
+    scores = scores_with_best([EOS, 1, 1, 1])
+    _, n_accepted, _ = trees.accept_top_beta_tree(tree._replace(tokens=tree.tokens[:1],
+                                                                parents=tree.parents[:1],
+                                                                valid=tree.valid[:1]),
+                                                  scores, 1, 0.0, EOS)  # fmt: skip
+    assert n_accepted.tolist() == [1]  # the EOS, nothing below it
+    empty = trees.beam_tree(best_logprobs[:, :0], best[:, :0], 1, EOS)
+    assert empty.tokens.shape == (2, 0) and empty.valid.shape == (2, 0)
+    assert empty.depths.numel() == 0

@@ -2,8 +2,8 @@
 
 Each iteration, for every unfinished sentence of the batch:
   1. draft:  the drafter proposes a draft tree after the verified prefix (a chain of k tokens,
-             or with --tree-branching a wider tree: the drafter's best tokens for top-beta/tau,
-             drawn ones for RSD);
+             or with --tree-branching / --tree-budget a wider tree: the drafter's best tokens or
+             beam search's sequences for top-beta/tau, drawn ones for RSD);
   2. score:  the verifier scores [pending token, tree nodes] in one pass on its KV cache;
   3. accept: the rule keeps a path of drafts, then the verifier's own token follows (correction
              at the first rejection, bonus after a fully accepted path);

@@ -27,7 +27,7 @@ class DecodingSettings:
     beta: int = 1  # top-beta: a draft must be among the verifier's beta best ...
     tau: float = 0.0  # ... and within tau of the best log-prob (1 / 0: lossless)
     # children per node at each depth: rsd's RSD-C tree, or a tree of the drafter's best tokens
-    # for top_beta (chains without it)
+    # for top_beta (chains without it or tree_budget)
     tree_branching: Optional[str] = None
     # nodes per iteration, grown by beam search over the drafter's sequences (stochastic for
     # rsd: RSD-S); block_size levels of tree_budget // block_size nodes each
@@ -75,12 +75,12 @@ class DecodingSettings:
         if self.block_size == 0 and (branches or self.adaptive_block):
             raise SpecNmtError(
                 "--block-size 0 (no drafts) decodes with the verifier alone: it takes neither "
-                "a draft tree (--verify rsd, --tree-branching) nor --adaptive-block"
+                "a draft tree (--verify rsd, --tree-branching, --tree-budget) nor --adaptive-block"
             )
         if self.adaptive_block and branches:
             raise SpecNmtError(
                 "--adaptive-block adapts chains of drafts: it does not fit a draft tree "
-                "(--verify rsd, --tree-branching)"
+                "(--verify rsd, --tree-branching, --tree-budget)"
             )
         if not branches:
             return DraftPlan.chain(self.block_size, sample=rule.sampled_drafts)

@@ -22,7 +22,9 @@ from spec_nmt.decoding.verify import before_any_eos, residual, sample_from
 
 
 class DraftTree(NamedTuple):
-    """Read-only: a chain's parents and depths are shared by every chain of its length."""
+    """Read-only: a chain's parents and depths are shared by every chain of its length. The
+    valid children of one node hold distinct tokens (the top-beta rule accepts the one holding
+    the verifier's pick; every tree builder here draws siblings without replacement)."""
 
     tokens: Tensor  # [B, N] node tokens
     parents: Tensor  # [B, N] parent node index, -1 for the root
@@ -78,7 +80,8 @@ def beam_tree(best_logprobs: Tensor, best: Tensor, width: int, eos: int) -> Draf
     over the whole vocabulary: a beam's ``width`` best extensions use only its position's
     ``width`` best tokens."""
     batch, depth, _ = best.shape
-    tokens, parents, valid = [best.new_zeros(batch, 0)], [best.new_zeros(batch, 0)], []
+    empty = best.new_zeros(batch, 0)
+    tokens, parents, valid = [empty], [empty], [empty.bool()]
     logprobs = best_logprobs.new_zeros(batch, 1)  # the root's
     extendable = torch.ones(batch, 1, dtype=torch.bool, device=best.device)
     for level in range(depth):
@@ -91,8 +94,7 @@ def beam_tree(best_logprobs: Tensor, best: Tensor, width: int, eos: int) -> Draf
         valid.append(logprobs.isfinite())
         extendable = valid[-1] & tokens[-1].ne(eos)
     depths = torch.arange(1, depth + 1, device=best.device).repeat_interleave(width)
-    valid = torch.cat(valid, 1) if valid else tokens[0].bool()
-    return DraftTree(torch.cat(tokens, 1), torch.cat(parents, 1), depths, valid)
+    return DraftTree(torch.cat(tokens, 1), torch.cat(parents, 1), depths, torch.cat(valid, 1))
 
 
 @functools.lru_cache(maxsize=None)

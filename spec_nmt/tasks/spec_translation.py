@@ -124,7 +124,7 @@ class SpecTranslationConfig(TranslationConfig):
             f"{RULES['rsd'].default_branching} (the most tokens per verifier call of the "
             "6-node trees on newstest2013, BENCHMARKS.md). --verify top_beta gives every node "
             "the drafter's best tokens and accepts the path the rule passes (still lossless "
-            "with --beta 1 --tau 0); without it, a chain"
+            "with --beta 1 --tau 0); without it or --tree-budget, a chain"
         },
     )
     tree_budget: int = field(
