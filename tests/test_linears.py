@@ -150,3 +150,29 @@ def test_without_onednn_the_verifier_encodes_with_fairseqs_own_forward(monkeypat
     net_input = source_batch(dictionary, 3)
     ours = verifier.encode(net_input)["encoder_out"][0]
     assert torch.equal(ours, model.encoder.forward_torchscript(net_input)["encoder_out"][0])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("batch, queries", [(1, 4), (1, 40), (8, 1), (16, 4)])
+def test_attention_is_the_same_through_either_kernel(batch, queries):
+    """Few queries per head go through scaled_dot_product_attention, many through two batched
+    products (faster there): both give the masked attention of fairseq's module, a row that
+    sees one key included."""
+    model, _ = tiny_transformer()
+    attn = model.decoder.layers[0].self_attn.eval()
+    heads, keys_count = attn.num_heads, 7
+    head_dim = attn.embed_dim // heads
+    query = torch.randn(batch, heads, queries, head_dim)
+    keys, values = torch.randn(2, batch, heads, keys_count, head_dim)
+    seen = torch.rand(batch, queries, keys_count) < 0.6
+    seen[..., 0] = True  # no row without a key
+    seen[0, 0] = False
+    seen[0, 0, 3] = True  # one row sees a single key: its output is that key's value
+    bias = block_forward.additive_mask(seen, query.dtype)
+    ours = block_forward._attention(attn, query, keys, values, bias)  # [T, B, C]
+    weights = (query @ keys.transpose(-1, -2) * attn.scaling).masked_fill(~seen.unsqueeze(1), -1e9)
+    expected = block_forward.merge_heads(weights.softmax(-1) @ values)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[0, 0], values[0, :, 3].flatten(), rtol=1e-5, atol=1e-5)
+    uses_products = batch * queries >= block_forward.MATMUL_ATTENTION_ROWS
+    assert uses_products == ((batch, queries) in ((1, 40), (16, 4)))

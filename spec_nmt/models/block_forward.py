@@ -22,6 +22,12 @@ from spec_nmt.errors import SpecNmtError
 
 # (layer's self-attention module, block queries' input [W, B, C]) -> attention output [W, B, C]
 SelfAttention = Callable[[object, Tensor], Tensor]
+# From this many queries per head (batch x queries) attention on the CPU runs as two batched
+# products around a softmax: scaled_dot_product_attention's CPU kernel pays per row and head,
+# 1.8-2.9x the products' time for a block of 4-11 entries at batch 32 (AMD EPYC, 2 threads),
+# while one sentence's few queries are faster through it (BENCHMARKS.md, "Attention through
+# batched products").
+MATMUL_ATTENTION_ROWS = 12
 
 
 class Project(Protocol):
@@ -163,8 +169,15 @@ def _attention(attn, query: Tensor, keys: Tensor, values: Tensor,
                bias: Optional[Tensor]) -> Tensor:  # fmt: skip
     """``attend`` before out_proj: the heads merged, [T, B, C]."""
     dropout = attn.dropout_module.p if attn.training else 0.0
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, dropout_p=dropout,
-                                         scale=attn.scaling)  # fmt: skip
+    batch, _, length, _ = query.shape
+    if dropout == 0.0 and query.device.type == "cpu" and batch * length >= MATMUL_ATTENTION_ROWS:
+        weights = torch.matmul(query * attn.scaling, keys.transpose(-1, -2))
+        if bias is not None:
+            weights.add_(bias)
+        out = torch.matmul(weights.softmax(dim=-1), values)
+    else:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias,
+                                             dropout_p=dropout, scale=attn.scaling)  # fmt: skip
     return merge_heads(out)
 
 
