@@ -153,11 +153,17 @@ def test_without_onednn_the_verifier_encodes_with_fairseqs_own_forward(monkeypat
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("mask", ["per query", "per row", "none"])
 @pytest.mark.parametrize("batch, queries", [(1, 4), (1, 40), (8, 1), (16, 4)])
-def test_attention_is_the_same_through_either_kernel(batch, queries):
+def test_attention_is_the_same_through_either_kernel(monkeypatch, batch, queries, mask):
     """Few queries per head go through scaled_dot_product_attention, many through two batched
-    products (faster there): both give the masked attention of fairseq's module, a row that
-    sees one key included."""
+    products (faster there): both give a plain masked softmax attention with the module's
+    scaling, under every mask form the forwards use (per query [B, 1, W, S], per row as the
+    source padding [B, 1, 1, S], none), a query that sees one key included."""
+    sdpa_calls = []
+    sdpa = block_forward.F.scaled_dot_product_attention
+    monkeypatch.setattr(block_forward.F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: sdpa_calls.append(1) or sdpa(*args, **kwargs))
     model, _ = tiny_transformer()
     attn = model.decoder.layers[0].self_attn.eval()
     heads, keys_count = attn.num_heads, 7
@@ -167,12 +173,18 @@ def test_attention_is_the_same_through_either_kernel(batch, queries):
     seen = torch.rand(batch, queries, keys_count) < 0.6
     seen[..., 0] = True  # no row without a key
     seen[0, 0] = False
-    seen[0, 0, 3] = True  # one row sees a single key: its output is that key's value
-    bias = block_forward.additive_mask(seen, query.dtype)
+    seen[0, 0, 3] = True  # one query sees a single key: its output is that key's value
+    if mask == "per row":
+        seen = seen[:, :1].expand_as(seen)
+    elif mask == "none":
+        seen = torch.ones_like(seen)
+    bias = {"per query": lambda: block_forward.additive_mask(seen, query.dtype),
+            "per row": lambda: block_forward.additive_mask(seen[:, :1], query.dtype),
+            "none": lambda: None}[mask]()  # fmt: skip
     ours = block_forward._attention(attn, query, keys, values, bias)  # [T, B, C]
     weights = (query @ keys.transpose(-1, -2) * attn.scaling).masked_fill(~seen.unsqueeze(1), -1e9)
     expected = block_forward.merge_heads(weights.softmax(-1) @ values)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours[0, 0], values[0, :, 3].flatten(), rtol=1e-5, atol=1e-5)
-    uses_products = batch * queries >= block_forward.MATMUL_ATTENTION_ROWS
-    assert uses_products == ((batch, queries) in ((1, 40), (16, 4)))
+    if mask != "none":
+        torch.testing.assert_close(ours[0, 0], values[0, :, 3].flatten(), rtol=1e-5, atol=1e-5)
+    assert bool(sdpa_calls) == ((batch, queries) in ((1, 4), (8, 1)))  # else the products ran

@@ -5,9 +5,10 @@ encoder's forward, so that decoding can run both with its packed linear products
 fairseq's decoder knows two attention patterns, causal (training, incremental decoding) and full
 (``full_context_alignment``), each the same for every row. Block scoring on a cache (the verifier
 and the autoregressive drafter), tree attention and the cached drafter's prefix-plus-masks pattern
-need a per-row mask, so these functions redo the decoder's forward with
-``scaled_dot_product_attention`` and leave every weight, norm and activation to the stock modules.
-Training (the cached drafter) and decoding share them, so both see the same arithmetic.
+need a per-row mask, so these functions redo the decoder's forward with their own attention
+(``scaled_dot_product_attention``, or on the CPU from ``MATMUL_ATTENTION_ROWS`` queries per head
+on two batched products: equal up to rounding) and leave every weight, norm and activation to the
+stock modules. Training (the cached drafter) and decoding share them.
 """
 
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
@@ -167,10 +168,13 @@ def attend(attn, query: Tensor, keys: Tensor, values: Tensor, bias: Optional[Ten
 
 def _attention(attn, query: Tensor, keys: Tensor, values: Tensor,
                bias: Optional[Tensor]) -> Tensor:  # fmt: skip
-    """``attend`` before out_proj: the heads merged, [T, B, C]."""
+    """``attend`` before out_proj: the heads merged, [T, B, C]. ``bias`` is an additive float
+    mask (0 or -inf) under which every query sees at least one key."""
     dropout = attn.dropout_module.p if attn.training else 0.0
     batch, _, length, _ = query.shape
-    if dropout == 0.0 and query.device.type == "cpu" and batch * length >= MATMUL_ATTENTION_ROWS:
+    products = (dropout == 0.0 and query.device.type == "cpu"
+                and query.dtype == torch.float32 and batch * length >= MATMUL_ATTENTION_ROWS)
+    if products:
         weights = torch.matmul(query * attn.scaling, keys.transpose(-1, -2))
         if bias is not None:
             weights.add_(bias)
