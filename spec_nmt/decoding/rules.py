@@ -30,7 +30,7 @@ def _chain_path(tree: DraftTree, n_accepted: Tensor) -> Tensor:
 
 
 def _top_beta(tree, logits, settings, eos, generator):
-    if settings.tree_branching or settings.tree_budget:
+    if not settings.draft_plan.is_chain:
         return accept_top_beta_tree(tree, logits, settings.beta, settings.tau, eos)
     n_accepted, next_tokens = accept_top_beta(tree.tokens, logits, settings.beta, settings.tau, eos)
     return _chain_path(tree, n_accepted), n_accepted, next_tokens

@@ -5,6 +5,7 @@ shape happen here, once.
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -57,7 +58,7 @@ class DecodingSettings:
         check_sampling_params(self.temperature, self.sampling_topk, self.sampling_topp)
         self.draft_plan  # noqa: B018  (refuses tree flags that make no shape)
 
-    @property
+    @functools.cached_property  # (the rules ask it every iteration)
     def draft_plan(self) -> DraftPlan:
         """The drafts' shape; one-line errors for combinations that make no sense."""
         rule = RULES[self.verify]
