@@ -38,7 +38,7 @@ def translator():
 @pytest.mark.parametrize(
     "settings",
     [
-        {"beta": 1, "tau": 0.0, "block_size": 6},
+        {"beta": 1, "tau": 0.0, "block_size": 6, "max_draft_batch": 0},
         {"beta": 3, "tau": 1.0, "block_size": 6},
         {"beta": 5, "tau": 3.0, "block_size": 10},
     ],

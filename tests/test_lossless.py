@@ -20,6 +20,8 @@ from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq
 MAX_LEN_B = 40
 COMMON = ["--user-dir", USER_DIR, "--max-len-b", MAX_LEN_B, "--cpu"]
 TEST_LINES = 60
+# these tests check drafting in batches: by default the lossless rule drafts for one sentence only
+DRAFT_IN_BATCHES = ["--max-draft-batch", 0]
 
 
 def hypotheses(output):
@@ -50,7 +52,7 @@ def generate(toy, batch_size, drafter=None, *extra):
         task = ["--task", "translation", "--beam", 1]
     else:
         task = ["--task", "spec_translation", "--drafter-path", toy[drafter]]
-        task += ["--block-size", BLOCK_SIZE, "--beta", 1, "--tau", 0]
+        task += ["--block-size", BLOCK_SIZE, "--beta", 1, "--tau", 0, *DRAFT_IN_BATCHES]
     result = fairseq("generate", toy["bin"], "--path", toy["verifier"], *task, *batching, *COMMON,
                      *extra)  # fmt: skip
     return result.stdout + result.stderr
@@ -130,8 +132,8 @@ def test_interactive_is_identical_to_stock_greedy(toy):
     )  # fmt: skip
     spec = fairseq(
         "interactive", toy["bin"], "--task", "spec_translation", "--path", toy["verifier"],
-        "--drafter-path", toy["drafter"], "--block-size", BLOCK_SIZE, *batching, *COMMON,
-        input_text=lines,
+        "--drafter-path", toy["drafter"], "--block-size", BLOCK_SIZE, *DRAFT_IN_BATCHES,
+        *batching, *COMMON, input_text=lines,
     )  # fmt: skip
     expected = hypotheses(stock.stdout)
     assert len(expected) == TEST_LINES
@@ -143,8 +145,8 @@ def test_the_verifier_as_its_own_drafter_gets_every_draft_accepted(toy, stock_gr
     """The identical-drafter end (HF's test): the verifier checkpoint as autoregressive drafter."""
     result = fairseq(
         "generate", toy["bin"], "--path", toy["verifier"], "--task", "spec_translation",
-        "--drafter-path", toy["verifier"], "--block-size", BLOCK_SIZE, "--batch-size", 16,
-        "--required-batch-size-multiple", 1, *COMMON,
+        "--drafter-path", toy["verifier"], "--block-size", BLOCK_SIZE, *DRAFT_IN_BATCHES,
+        "--batch-size", 16, "--required-batch-size-multiple", 1, *COMMON,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert hypotheses(output) == stock_greedy[16]
@@ -196,7 +198,7 @@ class OracleDrafter:
 def in_process(toy):
     cfg = SpecTranslationConfig(
         data=str(toy["bin"]), source_lang="de", target_lang="en", block_size=BLOCK_SIZE,
-        dataset_impl="mmap", required_seq_len_multiple=1,
+        max_draft_batch=0, dataset_impl="mmap", required_seq_len_multiple=1,
     )  # fmt: skip
     task = SpecTranslationTask.setup_task(cfg)
     task.load_dataset("test")
@@ -222,7 +224,8 @@ def test_oracle_drafter_gets_whole_blocks_accepted(in_process):
             TransformerVerifier(models[0]),
             OracleDrafter(greedy_padded, tgt_dict.eos()),
             tgt_dict,
-            DecodingSettings(block_size=BLOCK_SIZE, max_len_a=0, max_len_b=MAX_LEN_B),
+            DecodingSettings(block_size=BLOCK_SIZE, max_draft_batch=0, max_len_a=0,
+                             max_len_b=MAX_LEN_B),
         )
         result = speculative.generate(models, sample)
         for expected, hypos in zip(greedy, result):
@@ -283,3 +286,29 @@ def test_an_empty_source_counts_as_its_eos_in_the_statistics(in_process, toy):
     stats = generator.stats
     assert stats.output_tokens == sum(len(h["tokens"]) for h in results)
     assert stats.iterations == sum(h.get("spec_iterations", 0) for h in results) > 0
+
+
+@torch.no_grad()
+def test_by_default_a_batch_decodes_without_drafts_and_one_sentence_drafts(in_process, toy):
+    """The default drafting batch limit (one sentence for the lossless rule): a batch of 16 runs
+    the verifier alone, the same sentences one at a time draft, and the translations agree."""
+    task, models, batches = in_process
+    task.cfg.max_draft_batch = None
+    try:
+        generator = task_generator(task, models, toy["drafter"])
+    finally:
+        task.cfg.max_draft_batch = 0
+    assert generator.settings.draft_batch_limit == 1
+    sample = batches[0]
+    together = [h[0]["tokens"].tolist() for h in generator.generate(models, sample)]
+    assert generator.stats.drafted_tokens == 0
+    assert generator.stats.iterations == generator.stats.output_tokens  # a token per iteration
+    drafting = task_generator(task, models, toy["drafter"])  # max_draft_batch 0: drafts always
+    assert [h[0]["tokens"].tolist() for h in drafting.generate(models, sample)] == together
+    assert drafting.stats.drafted_tokens > 0
+    net_input = sample["net_input"]
+    keep = net_input["src_tokens"][0].ne(task.source_dictionary.pad())
+    one = {"net_input": {"src_tokens": net_input["src_tokens"][:1, keep],
+                         "src_lengths": keep.sum().view(1)}}  # fmt: skip
+    assert generator.generate(models, one)[0][0]["tokens"].tolist() == together[0]
+    assert generator.stats.drafted_tokens > 0

@@ -22,7 +22,8 @@ RULES = {
 def generate(toy, drafter, rule, *extra):
     result = fairseq(
         "generate", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy[drafter],
-        *SAMPLING, *RULES[rule], "--batch-size", 8, "--required-batch-size-multiple", 1, *extra,
+        *SAMPLING, *RULES[rule], "--max-draft-batch", 0, "--batch-size", 8,
+        "--required-batch-size-multiple", 1, *extra,
     )  # fmt: skip
     return result.stdout + result.stderr
 

@@ -125,7 +125,8 @@ def first_two_counts(generate, dictionary):
 
 def speculative(models, drafter, rule, seed=0, topk=-1):
     settings = DecodingSettings(**RULE_SETTINGS[rule], temperature=TEMPERATURE,
-                                sampling_topk=topk, seed=seed, max_len_a=0, max_len_b=2)  # fmt: skip
+                                sampling_topk=topk, seed=seed, max_len_a=0, max_len_b=2,
+                                max_draft_batch=0)  # fmt: skip
     return SpeculativeGenerator(
         TransformerVerifier(models["verifier"], temperature=TEMPERATURE), models[drafter],
         models["dictionary"], settings,

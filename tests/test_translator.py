@@ -7,6 +7,7 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
+from spec_nmt.decoding.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.tasks.spec_translation import INT8_LAYERS, drafts_in_int8
 from spec_nmt.translator import SpecTranslator
@@ -59,7 +60,7 @@ def test_one_sentence_in_one_string_out(translator):
 
 
 def test_lossless_translations_do_not_depend_on_the_batch(translator):
-    together = translator.translate(SENTENCES, batch_size=7)
+    together = translator.translate(SENTENCES, batch_size=7, max_draft_batch=0)
     alone = [translator.translate(line) for line in SENTENCES]
     assert together == alone
 
@@ -91,6 +92,7 @@ def test_samples_are_reproducible_with_a_seed(translator):
         (lambda t: t.sample("x", temperature=0), "--temperature must be > 0"),
         (lambda t: t.translate(["x", 3]), "a string or a list of strings"),
         (lambda t: t.translate("x", batch_size=0), "batch_size must be >= 1"),
+        (lambda t: t.translate("x", beta=2, max_draft_batch=1), "depend on its batch"),
     ],
 )
 def test_bad_calls_raise_one_line_errors(translator, call, message):
@@ -142,3 +144,19 @@ def test_drafter_precision_decides_int8_by_device_and_dtype(precision, device, d
             drafts_in_int8(precision, device, dtype)
     else:
         assert drafts_in_int8(precision, device, dtype) is int8
+
+
+@pytest.mark.parametrize(
+    "settings, limit",
+    [
+        ({}, 1),  # lossless: drafts only for a sentence alone
+        ({"verify": "rsd"}, 1),
+        ({"verify": "sampling"}, 1),
+        ({"beta": 3, "tau": 1.0}, 0),  # relaxed: its drafts decide it, so every batch drafts
+        ({"max_draft_batch": 0}, 0),
+        ({"max_draft_batch": 8}, 8),
+        ({"beta": 3, "tau": 1.0, "max_draft_batch": 0}, 0),
+    ],
+)
+def test_the_drafting_batch_limit_by_rule(settings, limit):
+    assert DEFAULTS.replace(**settings).draft_batch_limit == limit

@@ -90,9 +90,10 @@ class SpeculativeGenerator:
         self.verifier = verifier
         self.settings = settings
         self.plan = settings.draft_plan
-        # k = 0: the verifier alone, whatever drafter was loaded
-        self.drafter = drafter if self.plan.depth else NoDrafter(verifier.max_positions(),
-                                                                 len(tgt_dict))  # fmt: skip
+        # k = 0, or a batch too large to draft for: the verifier alone, whatever drafter was
+        # loaded
+        self.no_drafter = NoDrafter(verifier.max_positions(), len(tgt_dict))
+        self.drafter = drafter if self.plan.depth else self.no_drafter
         self.drafter.check_depth(self.plan.depth)
         self.verify = settings.verify
         self._rng: Optional[torch.Generator] = None
@@ -131,8 +132,12 @@ class SpeculativeGenerator:
         if self.settings.min_len > int(max_lens.min()):
             raise SpecNmtError("--min-len cannot be larger than the maximum output length")
         rng = self.rng(src_tokens.device)
+        # Empty source lines (the appended EOS only) get an empty translation without running
+        # the decoder; a typed "</s>" is text and gets translated, as by SequenceGenerator.
+        has_source = src_lengths > 1
+        drafter, full_plan = self._drafting(int(has_source.sum()))
 
-        slack = self.plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
+        slack = full_plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
         width = int(max_lens.max())
         tokens = src_tokens.new_full((bsz, width + 2 + slack), self.pad)
         tokens[:, 0] = self.eos
@@ -141,11 +146,8 @@ class SpeculativeGenerator:
 
         encoder_out = self.verifier.encode(net_input)
         verifier_state = self.verifier.start(net_input, encoder_out)
-        drafter_state = self.drafter.start(net_input, encoder_out)
+        drafter_state = drafter.start(net_input, encoder_out)
         del encoder_out  # the states hold what they need of it
-        # Empty source lines (the appended EOS only) get an empty translation without running
-        # the decoder; a typed "</s>" is text and gets translated, as by SequenceGenerator.
-        has_source = src_lengths > 1
         tokens[~has_source, 1] = self.eos
         for row in (~has_source).nonzero().squeeze(1).tolist():
             finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
@@ -154,7 +156,7 @@ class SpeculativeGenerator:
         # each state row's sentence in the batch.
         rows = has_source.nonzero().squeeze(1)
         if rows.numel() < bsz:
-            self._select(verifier_state, drafter_state, rows)
+            self._select(drafter, verifier_state, drafter_state, rows)
             tokens, token_scores, max_lens = tokens[rows], token_scores[rows], max_lens[rows]
         sentences = rows.tolist()
         device = tokens.device
@@ -166,23 +168,23 @@ class SpeculativeGenerator:
         # has finished: copying every cache out for each finished sentence costs more.
         live = torch.ones_like(lengths, dtype=torch.bool)
         finished = 0
-        block_sizes = torch.full_like(lengths, self.plan.depth)  # k of each state row (adaptive)
+        block_sizes = torch.full_like(lengths, full_plan.depth)  # k of each state row (adaptive)
         # an upper bound of the longest live prefix: the position limit is checked on the
         # device only when it could be near
         longest = 0
-        position_limit = self.drafter.max_positions() - 1
+        position_limit = drafter.max_positions() - 1
 
         while sentences:
-            depth = self.plan.depth
+            depth = full_plan.depth
             if self.settings.adaptive_block:
                 depth = int(block_sizes[live].max())
             # The drafter cannot look past its own position limit: shrink the drafts near it.
             if longest + depth > position_limit:
                 longest = int(lengths[live].max())
                 depth = min(depth, max(position_limit - longest, 0))
-            plan = self.plan if depth == self.plan.depth else self.plan.shrink(depth)
+            plan = full_plan if depth == full_plan.depth else full_plan.shrink(depth)
             # 1. draft
-            tree = self.drafter.propose(drafter_state, tokens, lengths, plan, rng)
+            tree = drafter.propose(drafter_state, tokens, lengths, plan, rng)
             # 2. score [pending token, tree nodes] in one verifier pass
             pending = tokens.gather(1, lengths.unsqueeze(1))
             depths = block_depths(tree)
@@ -217,16 +219,16 @@ class SpeculativeGenerator:
             drafted += (tree.valid & live.unsqueeze(1)).sum(dim=1)
             if self.settings.adaptive_block and tree.tokens.size(1):  # (no drafts: no verdict)
                 block_sizes = adapted_block_sizes(block_sizes, n_accepted, plan.depth,
-                                                  self.plan.depth)  # fmt: skip
+                                                  full_plan.depth)  # fmt: skip
             n_kept = (n_accepted + 1) * live
             kept = None if plan.is_chain else kept_entries  # a chain keeps its first entries
             kept_states = None
-            if self.drafter.reads_verifier_states:
+            if drafter.reads_verifier_states:
                 block_states = verifier_state.block_states  # [B, W, C]
                 index = kept_entries.unsqueeze(2).expand(-1, -1, block_states.size(2))
                 kept_states = block_states.gather(1, index)
             self.verifier.commit(verifier_state, kept, n_kept)
-            self.drafter.commit(drafter_state, kept, n_kept, kept_states)
+            drafter.commit(drafter_state, kept, n_kept, kept_states)
             self.stats.batched_verifier_calls += 1
             ended &= live
             for i in ended.nonzero().squeeze(1).tolist():
@@ -246,7 +248,7 @@ class SpeculativeGenerator:
                 sentences = [sentences[i] for i in keep.tolist()]
                 finished = 0
                 if sentences:
-                    self._select(verifier_state, drafter_state, keep)
+                    self._select(drafter, verifier_state, drafter_state, keep)
 
         self.stats.sentences += bsz
         return finalized
@@ -298,10 +300,18 @@ class SpeculativeGenerator:
             ))  # fmt: skip
         return records
 
-    def _select(self, verifier_state, drafter_state, keep: Tensor) -> None:
-        """Keep only rows ``keep`` in both states."""
+    def _drafting(self, sentences: int):
+        """(drafter, draft plan) for a batch of this many sentences to translate: none above
+        the settings' drafting batch limit."""
+        limit = self.settings.draft_batch_limit
+        if limit and sentences > limit:
+            return self.no_drafter, self.plan.shrink(0)
+        return self.drafter, self.plan
+
+    def _select(self, drafter, verifier_state, drafter_state, keep: Tensor) -> None:
+        """Keep only rows ``keep`` in the verifier's and ``drafter``'s states."""
         self.verifier.select_rows(verifier_state, keep)
-        self.drafter.select_rows(drafter_state, keep)
+        drafter.select_rows(drafter_state, keep)
 
     def _max_lengths(self, src_lengths: Tensor) -> Tensor:
         """Each sentence's output length limit, max_len_a * its source length + max_len_b, in

@@ -34,6 +34,12 @@ class DecodingSettings:
     # rsd: RSD-S); block_size levels of tree_budget // block_size nodes each
     tree_budget: int = 0
     adaptive_block: bool = False  # chains: k per sentence from its acceptance, at most block_size
+    # the most sentences a batch may have and still draft; a larger batch decodes with the
+    # verifier alone on the same loop, since the bundled pair's drafts cost more than they earn
+    # in a batch (BENCHMARKS.md). None: 1 for the rules whose translations do not depend on the
+    # drafts (lossless top-beta, sampling and rsd: the same distribution), no limit for a
+    # relaxed top-beta/tau, whose drafts decide its translations; 0: no limit
+    max_draft_batch: Optional[int] = None
     # sampling (rules sampling and rsd)
     temperature: float = 1.0
     sampling_topk: int = -1
@@ -55,8 +61,38 @@ class DecodingSettings:
                 f"--block-size must be an integer >= 0 (0: no drafts), got {self.block_size}"
             )
         check_top_beta_params(self.beta, self.tau)
+        self._check_max_draft_batch()
         check_sampling_params(self.temperature, self.sampling_topk, self.sampling_topp)
         self.draft_plan  # noqa: B018  (refuses tree flags that make no shape)
+
+    @property
+    def relaxed(self) -> bool:
+        """Whether the rule's translations depend on the drafts (top-beta/tau other than
+        beta 1, tau 0); lossless top-beta and the sampling rules give the verifier's own."""
+        return self.verify == "top_beta" and (self.beta, self.tau) != (1, 0.0)
+
+    @property
+    def draft_batch_limit(self) -> int:
+        """The most sentences a batch drafts for (0: any number), ``max_draft_batch`` resolved."""
+        if self.max_draft_batch is not None:
+            return self.max_draft_batch
+        return 0 if self.relaxed else DEFAULT_DRAFT_BATCH
+
+    def _check_max_draft_batch(self) -> None:
+        limit = self.max_draft_batch
+        if limit is None:
+            return
+        if int(limit) != limit or limit < 0:
+            raise SpecNmtError(
+                f"--max-draft-batch must be an integer >= 0 (0: draft in batches of any size), "
+                f"got {limit}"
+            )
+        if limit and self.relaxed:
+            raise SpecNmtError(
+                f"--max-draft-batch {limit} with a relaxed top-beta/tau (--beta {self.beta} "
+                f"--tau {self.tau:g}) would make a sentence's translation depend on its batch "
+                "(the drafts decide it): use 0 (draft in every batch) or the lossless rule"
+            )
 
     @functools.cached_property  # (the rules ask it every iteration)
     def draft_plan(self) -> DraftPlan:
@@ -139,11 +175,16 @@ def names() -> List[str]:
     return [field.name for field in dataclasses.fields(DecodingSettings)]
 
 
+# The default largest drafting batch of the rules whose translations the drafts cannot change:
+# the bundled pair's drafts about pay for themselves for one sentence and lose from two on
+# (newstest2013, lossless k = 3 against no drafts: 1.64 / 1.70x at batch 1, 1.61 / 1.89x at 2,
+# 1.18 / 1.93x at 32; BENCHMARKS.md, "Drafting only where it pays").
+DEFAULT_DRAFT_BATCH = 1
 DEFAULTS = DecodingSettings()
 # The relaxed top-beta/tau rule (beta, tau) that the acceptance targets quote: drafters are
 # validated and benchmarked with it beside the lossless rule, at their own k.
 REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
 # the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
 RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
-                 "adaptive_block")  # fmt: skip
+                 "adaptive_block", "max_draft_batch")  # fmt: skip
 GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))

@@ -144,6 +144,16 @@ class SpecTranslationConfig(TranslationConfig):
             "to the accepted count + 1 after a rejection"
         },
     )
+    max_draft_batch: Optional[int] = field(
+        default=DEFAULTS.max_draft_batch,
+        metadata={
+            "help": "the most sentences a batch may have and still draft; a larger batch decodes "
+            "with the verifier alone on the same loop (its drafts would cost more than they "
+            "earn). 0: draft in batches of any size. Default: 1 for the rules whose output the "
+            "drafts cannot change (lossless top_beta, sampling, rsd), no limit for a relaxed "
+            "--beta/--tau, whose drafts decide its translations"
+        },
+    )
     eval_acceptance_verifier: Optional[str] = field(
         default=None,
         metadata={
@@ -250,7 +260,8 @@ class SpecTranslationTask(TranslationTask):
 
     def acceptance_settings(self) -> Dict[str, DecodingSettings]:
         """The rules --eval-acceptance-verifier measures, by metric name."""
-        lossless = DEFAULTS.replace(block_size=self.cfg.block_size)
+        # batches of validation sentences: they must draft to measure anything
+        lossless = DEFAULTS.replace(block_size=self.cfg.block_size, max_draft_batch=0)
         settings = {"accepted_lossless": lossless}
         if (self.cfg.beta, self.cfg.tau) != (lossless.beta, lossless.tau):
             settings["accepted_top_beta"] = lossless.replace(beta=self.cfg.beta, tau=self.cfg.tau)
