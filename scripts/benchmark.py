@@ -95,6 +95,17 @@ def fairseq_sampler(pair: SpecTranslator, temperature: float) -> SequenceGenerat
     )
 
 
+def speculating(pair: SpecTranslator, **settings) -> SpeculativeGenerator:
+    """A generator that drafts in a batch of any size: what the benchmark measures (by default
+    the lossless and sampling rules draft for one sentence only, see ``defaults``)."""
+    return pair.generator(max_draft_batch=0, **settings)
+
+
+def defaults(pair: SpecTranslator) -> SpeculativeGenerator:
+    """The generator with every setting at its default, as ``make translate`` decodes."""
+    return pair.generator()
+
+
 def load_pair(args) -> SpecTranslator:
     return SpecTranslator.from_pretrained(args.model_dir, args.drafter, device="cpu",
                                           drafter_precision=args.drafter_precision)  # fmt: skip
@@ -214,7 +225,7 @@ def sweep(args):
     adaptive_choices = (False, True) if args.adaptive else (False,)
     for (block, beta, tau), adaptive in itertools.product(settings, adaptive_choices):
         name = f"spec k={block}{' adaptive' if adaptive else ''} beta={beta} tau={tau}"
-        spec = pair.generator(block_size=block, beta=beta, tau=tau, adaptive_block=adaptive)
+        spec = speculating(pair, block_size=block, beta=beta, tau=tau, adaptive_block=adaptive)
         out = decode_all(pair, {name: spec}, tokens, args.batch_size)[name]
         # Batch-1 time relative to fairseq greedy, alternated sentence by sentence.
         single = batch1_seconds(pair, {"greedy": greedy_one, name: spec}, latency_tokens)
@@ -254,20 +265,21 @@ def run(args):
     systems = {
         "fairseq greedy": fairseq_generator(pair, 1),
         "fairseq beam5": fairseq_generator(pair, 5),
-        lossless: pair.generator(block_size=args.lossless_block),
-        top_beta: pair.generator(block_size=args.block, beta=args.beta, tau=args.tau),
+        lossless: speculating(pair, block_size=args.lossless_block),
+        top_beta: speculating(pair, block_size=args.block, beta=args.beta, tau=args.tau),
+        "spec-nmt defaults": defaults(pair),
     }
     if args.tree_branching:  # the same rules over a greedy draft tree
         tree = args.tree_branching
-        systems[f"spec lossless tree {tree}"] = pair.generator(tree_branching=tree)
-        systems[f"spec tree {tree} beta={args.beta} tau={args.tau}"] = pair.generator(
-            tree_branching=tree, beta=args.beta, tau=args.tau
+        systems[f"spec lossless tree {tree}"] = speculating(pair, tree_branching=tree)
+        systems[f"spec tree {tree} beta={args.beta} tau={args.tau}"] = speculating(
+            pair, tree_branching=tree, beta=args.beta, tau=args.tau
         )
     for width, depth in args.beam_trees:  # ... and over the drafter's most probable sequences
         shape = {"block_size": depth, "tree_budget": width * depth}
-        systems[f"spec lossless beam tree {width}x{depth}"] = pair.generator(**shape)
+        systems[f"spec lossless beam tree {width}x{depth}"] = speculating(pair, **shape)
         systems[f"spec beam tree {width}x{depth} beta={args.beta} tau={args.tau}"] = (
-            pair.generator(**shape, beta=args.beta, tau=args.tau)
+            speculating(pair, **shape, beta=args.beta, tau=args.tau)
         )
     batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
     # The reference for "identical": stock greedy one sentence at a time. In a batch,
@@ -395,20 +407,21 @@ def ceiling(args):
     greedy_text = [dictionary.string(t) for t in alone]  # CTranslate2 gives pieces, not ids
     rows = []
     for batch_size in args.batch_sizes:
-        oracle = pair.generator(block_size=args.block)
+        oracle = speculating(pair, block_size=args.block)
         oracle.drafter = OracleDrafter(continuations, dictionary,
                                        pair.verifier.decoder.max_positions())  # fmt: skip
         systems = {"fairseq greedy": greedy,
                    "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
                    "spec lossless, oracle drafter": oracle,
-                   "spec lossless, real drafter": pair.generator(block_size=args.block)}  # fmt: skip
+                   "spec lossless, real drafter": speculating(pair, block_size=args.block),
+                   "spec-nmt defaults": defaults(pair)}  # fmt: skip
         if args.tree_branching:
-            systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = pair.generator(
-                tree_branching=args.tree_branching
+            systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = speculating(
+                pair, tree_branching=args.tree_branching
             )
         for width, depth in args.beam_trees:
-            systems[f"spec lossless, real drafter, beam tree {width}x{depth}"] = pair.generator(
-                block_size=depth, tree_budget=width * depth
+            systems[f"spec lossless, real drafter, beam tree {width}x{depth}"] = speculating(
+                pair, block_size=depth, tree_budget=width * depth
             )
         decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
         timers = {name: PhaseTimer(g) for name, g in systems.items() if name != "fairseq greedy"}
@@ -633,7 +646,7 @@ def sampling(args):
         speculative = dict(args.systems)  # name -> decoding settings
         systems = {"fairseq sampling": fairseq_sampler(pair, temperature)}
         systems.update({
-            name: pair.generator(temperature=temperature, **settings)
+            name: speculating(pair, temperature=temperature, **settings)
             for name, settings in speculative.items()
         })
         torch.manual_seed(1)

@@ -68,6 +68,14 @@ def parse_args(argv=None):
         f"(default {DEFAULTS.tau:g})",
     )
     parser.add_argument(
+        "--max-draft-batch",
+        type=int,
+        default=None,
+        help="the most sentences a batch may have and still draft; larger batches decode with "
+        "the verifier alone (0: draft in every batch; default: 1 for the lossless rule, no "
+        "limit for a relaxed --beta/--tau)",
+    )
+    parser.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch"
     )
     parser.add_argument(
@@ -172,7 +180,7 @@ def main(argv=None):
     args = parse_args(argv)
     settings = {
         name: getattr(args, name)
-        for name in ("block_size", "beta", "tau")
+        for name in ("block_size", "beta", "tau", "max_draft_batch")
         if getattr(args, name) is not None
     }
     translator = SpecTranslator.from_pretrained(

@@ -314,11 +314,15 @@ def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
         "--block", 5, "--json", out)  # fmt: skip
     result = json.loads(out.read_text())
     rows = {row["system"]: row for row in result["rows"]}
-    assert set(rows) == {"fairseq greedy", "fairseq beam5", "spec lossless k=5", "spec k=5 beta=3 tau=1.0"}
+    assert set(rows) == {"fairseq greedy", "fairseq beam5", "spec lossless k=5", "spec k=5 beta=3 tau=1.0",
+                         "spec-nmt defaults"}
     # the reference is greedy of each sentence alone: batched stock greedy caps a row's length
     # by the batch's longest source, speculative decoding by the sentence's own
     assert rows["spec lossless k=5"]["identical_to_greedy"] == 20
     assert rows["spec lossless k=5"]["mean_accepted_per_iteration"] > 0.5
+    # the defaults draft for a sentence alone (batch 1), not in the batches of 8
+    assert rows["spec-nmt defaults"]["identical_to_greedy"] == 20
+    assert rows["spec-nmt defaults"]["mean_accepted_per_iteration"] == 0
     assert "nrefs:1|case:mixed|eff:no|tok:13a" in result["sacrebleu_signature"]
     assert result["environment"]["torch"] == torch.__version__
 

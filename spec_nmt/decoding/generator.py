@@ -11,6 +11,8 @@ Each iteration, for every unfinished sentence of the batch:
              finished sentences leave the batch (the states are compacted once a quarter of
              their rows has finished; until then finished rows are carried and ignored).
 Every iteration emits at least one token, so even a useless drafter degrades to plain decoding.
+A batch of more sentences than the settings' drafting limit (--max-draft-batch) drafts nothing:
+the verifier decodes it alone on the same loop.
 """
 
 import logging
@@ -37,6 +39,7 @@ class DecodingStats:
     sentences: int = 0
     iterations: int = 0
     batched_verifier_calls: int = 0
+    batches_without_drafts: int = 0  # more sentences than the drafting limit
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     output_tokens: int = 0
@@ -52,6 +55,8 @@ class DecodingStats:
             f"{self.drafted_tokens} drafted tokens, {self.accepted_tokens} accepted tokens, "
             f"{self.output_tokens} output tokens, "
             f"mean accepted tokens per iteration {self.mean_accepted_per_iteration:.2f}"
+            + (f"; {self.batches_without_drafts} batches of more sentences than "
+               "--max-draft-batch decoded without drafts" if self.batches_without_drafts else "")
         )
 
 
@@ -304,7 +309,8 @@ class SpeculativeGenerator:
         """(drafter, draft plan) for a batch of this many sentences to translate: none above
         the settings' drafting batch limit."""
         limit = self.settings.draft_batch_limit
-        if limit and sentences > limit:
+        if limit and sentences > limit and self.drafter is not self.no_drafter:
+            self.stats.batches_without_drafts += 1
             return self.no_drafter, self.plan.shrink(0)
         return self.drafter, self.plan
 
