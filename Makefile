@@ -12,8 +12,10 @@ STAMP := $(VENV)/.installed
 
 MODEL_DIR ?= data/models/bench-de-en
 SPLIT ?= 1
-# BLOCK_SIZE, BETA, TAU: decoding settings, passed on when set (defaults: spec_nmt/decoding/settings.py)
-SETTINGS = $(if $(BLOCK_SIZE),--block-size $(BLOCK_SIZE)) $(if $(BETA),--beta $(BETA)) $(if $(TAU),--tau $(TAU))
+# BLOCK_SIZE, BETA, TAU, MAX_DRAFT_BATCH: decoding settings, passed on when set (defaults:
+# spec_nmt/decoding/settings.py)
+SETTINGS = $(if $(BLOCK_SIZE),--block-size $(BLOCK_SIZE)) $(if $(BETA),--beta $(BETA)) $(if $(TAU),--tau $(TAU)) \
+  $(if $(MAX_DRAFT_BATCH),--max-draft-batch $(MAX_DRAFT_BATCH))
 # fairseq-interactive gets the same output length limit as the API (fairseq's own is 0/200)
 LENGTH_FLAGS = from spec_nmt.decoding.settings import DEFAULTS; print(*DEFAULTS.fairseq_flags(['max_len_a', 'max_len_b']))
 

@@ -72,7 +72,7 @@ def test_interactive_gives_one_output_per_line_in_order_and_stays_lossless(toy):
     lines = list(KINDS.values()) * 4  # a long run of batches
     payload = "\n".join(lines).encode("utf-8") + b"\n" + INVALID_UTF8 + b"\n" + b"s9 s1"  # no final newline
     result = interactive(toy, payload, "--task", "spec_translation", "--drafter-path",
-                         toy["drafter"], "--block-size", BLOCK_SIZE)  # fmt: skip
+                         toy["drafter"], "--block-size", BLOCK_SIZE, "--max-draft-batch", 0)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     found = hypotheses(result.stdout.decode("utf-8"))
     total = len(lines) + 2

@@ -257,7 +257,8 @@ def test_validation_logs_the_acceptance_that_decoding_measures(toy):
     result = fairseq(
         "generate", toy["bin"], "--user-dir", USER_DIR, "--task", "spec_translation",
         "--path", toy["verifier"], "--drafter-path", toy["cached_drafter"], "--gen-subset", "valid",
-        "--block-size", BLOCK_SIZE, "--max-tokens", 2000, "--drafter-precision", "fp32",
+        "--block-size", BLOCK_SIZE, "--max-draft-batch", 0, "--max-tokens", 2000,
+        "--drafter-precision", "fp32",
         *DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"]), "--cpu",
     )  # fmt: skip
     decoded = re.search(r"mean accepted tokens per iteration ([0-9.]+)", result.stderr).group(1)

@@ -289,19 +289,18 @@ def test_an_empty_source_counts_as_its_eos_in_the_statistics(in_process, toy):
 
 
 @torch.no_grad()
-def test_by_default_a_batch_decodes_without_drafts_and_one_sentence_drafts(in_process, toy):
+def test_by_default_a_batch_decodes_without_drafts_and_one_sentence_drafts(in_process, toy,
+                                                                          monkeypatch):
     """The default drafting batch limit (one sentence for the lossless rule): a batch of 16 runs
     the verifier alone, the same sentences one at a time draft, and the translations agree."""
     task, models, batches = in_process
-    task.cfg.max_draft_batch = None
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(task.cfg, "max_draft_batch", None)
         generator = task_generator(task, models, toy["drafter"])
-    finally:
-        task.cfg.max_draft_batch = 0
     assert generator.settings.draft_batch_limit == 1
     sample = batches[0]
     together = [h[0]["tokens"].tolist() for h in generator.generate(models, sample)]
-    assert generator.stats.drafted_tokens == 0
+    assert generator.stats.drafted_tokens == 0 and generator.stats.batches_without_drafts == 1
     assert generator.stats.iterations == generator.stats.output_tokens  # a token per iteration
     drafting = task_generator(task, models, toy["drafter"])  # max_draft_batch 0: drafts always
     assert [h[0]["tokens"].tolist() for h in drafting.generate(models, sample)] == together

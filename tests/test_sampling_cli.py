@@ -41,7 +41,8 @@ def test_generate_samples_reproducibly_with_a_seed(toy, drafter, rule):
 def test_rsd_without_tree_flags_draws_the_default_tree(toy):
     result = fairseq(
         "generate", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy["drafter"],
-        *SAMPLING, "--verify", "rsd", "--batch-size", 8, "--required-batch-size-multiple", 1,
+        *SAMPLING, "--verify", "rsd", "--max-draft-batch", 0, "--batch-size", 8,
+        "--required-batch-size-multiple", 1,
     )  # fmt: skip
     assert len(hypotheses(result.stdout)) == 60
     default = DecodingSettings(verify="rsd").draft_plan
@@ -56,7 +57,8 @@ def test_interactive_sampling_gives_every_line_one_output_in_order(toy):
     result = fairseq(
         "interactive", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy["ar_drafter"],
         *SAMPLING, *RULES["rsd-s"], "--sampling", "--beam", 1, "--sampling-topp", 0.9, "--seed", 3,
-        "--batch-size", 3, "--buffer-size", 3, input_text="\n".join(lines) + "\n",
+        "--max-draft-batch", 0, "--batch-size", 3, "--buffer-size", 3,
+        input_text="\n".join(lines) + "\n",
     )  # fmt: skip
     found = hypotheses(result.stdout)
     assert sorted(found) == list(range(10))

@@ -71,7 +71,8 @@ class DraftPlan:
         return cls(branching=(1,) * k, sample=sample)
 
     def shrink(self, depth: int) -> "DraftPlan":
-        """The same plan at most ``depth`` levels deep (near the position limit)."""
+        """The same plan at most ``depth`` levels deep (near the position limit, or for
+        adaptive k)."""
         if self.beam_width:
             return DraftPlan(beam_width=self.beam_width, beam_depth=min(depth, self.beam_depth),
                              sample=self.sample)  # fmt: skip

@@ -17,12 +17,12 @@ the verifier decodes it alone on the same loop.
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.drafters import NoDrafter
+from spec_nmt.decoding.drafters import Drafter, DraftPlan, NoDrafter
 from spec_nmt.decoding.settings import DecodingSettings
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility
@@ -305,13 +305,14 @@ class SpeculativeGenerator:
             ))  # fmt: skip
         return records
 
-    def _drafting(self, sentences: int):
-        """(drafter, draft plan) for a batch of this many sentences to translate: none above
-        the settings' drafting batch limit."""
+    def _drafting(self, sentences: int) -> Tuple[Drafter, DraftPlan]:
+        """(drafter, draft plan) for a batch of this many sentences to translate: no drafts
+        (an empty chain, which commits without moving cache entries) above the settings'
+        drafting batch limit."""
         limit = self.settings.draft_batch_limit
         if limit and sentences > limit and self.drafter is not self.no_drafter:
             self.stats.batches_without_drafts += 1
-            return self.no_drafter, self.plan.shrink(0)
+            return self.no_drafter, DraftPlan.chain(0, sample=self.plan.sample)
         return self.drafter, self.plan
 
     def _select(self, drafter, verifier_state, drafter_state, keep: Tensor) -> None:
