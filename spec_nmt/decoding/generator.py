@@ -141,6 +141,8 @@ class SpeculativeGenerator:
         # the decoder; a typed "</s>" is text and gets translated, as by SequenceGenerator.
         has_source = src_lengths > 1
         drafter, full_plan = self._drafting(int(has_source.sum()))
+        if drafter is not self.drafter:
+            self.stats.batches_without_drafts += 1
 
         slack = full_plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
         width = int(max_lens.max())
@@ -311,7 +313,6 @@ class SpeculativeGenerator:
         drafting batch limit."""
         limit = self.settings.draft_batch_limit
         if limit and sentences > limit and self.drafter is not self.no_drafter:
-            self.stats.batches_without_drafts += 1
             return self.no_drafter, DraftPlan.chain(0, sample=self.plan.sample)
         return self.drafter, self.plan
 
