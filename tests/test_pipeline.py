@@ -2,7 +2,7 @@
 fairseq-preprocess -> scripts/campaign.sh (verifier, its averaged final model, distillation, the
 cached drafter, then for comparison the Spec-Drafter, the short-block, the 1-layer and the
 states-reading cached drafters, all started from the verifier) -> compact model directory ->
-`make translate` and scripts/benchmark.py."""
+`make translate` and benchmarks/benchmark.py."""
 
 import io
 import json
@@ -269,7 +269,7 @@ def test_make_translate_decodes_a_file_in_batches_with_progress_like_one_by_one(
 
 def test_benchmark_ceiling_mode_accepts_every_oracle_draft(pipeline, tmp_path):
     out = tmp_path / "ceiling.json"
-    run(sys.executable, "scripts/benchmark.py", "ceiling", pipeline["model"],
+    run(sys.executable, "benchmarks/benchmark.py", "ceiling", pipeline["model"],
         "--src", pipeline["raw"] / "test.de", "--lines", 12, "--block", 5, "--batch-sizes", "1,4",
         "--warmup-lines", 1, "--ctranslate2", "--json", out)  # fmt: skip
     rows = {(row["batch_size"], row["system"]): row for row in json.loads(out.read_text())["rows"]}
@@ -295,7 +295,7 @@ def test_benchmark_ceiling_mode_accepts_every_oracle_draft(pipeline, tmp_path):
 
 def test_benchmark_block_cost_mode_times_every_width_and_batch(pipeline, tmp_path):
     out = tmp_path / "block-cost.json"
-    run(sys.executable, "scripts/benchmark.py", "block-cost", pipeline["model"],
+    run(sys.executable, "benchmarks/benchmark.py", "block-cost", pipeline["model"],
         "--src", pipeline["raw"] / "test.de", "--widths", "1,6", "--batch-sizes", "1,3",
         "--repeats", 2, "--json", out)  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
@@ -308,7 +308,7 @@ def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     out = tmp_path / "bench.json"
     # the cached drafter's pair: the Spec-Drafter trains only COMPARISON_EPOCHS; beta and tau
     # are the benchmark's defaults, the reference setting
-    run(sys.executable, "scripts/benchmark.py", "run", pipeline["cached_model"],
+    run(sys.executable, "benchmarks/benchmark.py", "run", pipeline["cached_model"],
         "--src", pipeline["raw"] / "test.de", "--ref", pipeline["raw"] / "test.en", "--lines", 20,
         "--batch-size", 8, "--latency-lines", 4, "--warmup-lines", 1, "--lossless-block", 5,
         "--block", 5, "--json", out)  # fmt: skip
@@ -426,7 +426,7 @@ def test_hydra_configs_train(toy, tmp_path, config_dir):
 
 def test_benchmark_sweep_picks_settings_by_the_rule(pipeline, tmp_path):
     out = tmp_path / "sweep.json"
-    run(sys.executable, "scripts/benchmark.py", "sweep", pipeline["model"],
+    run(sys.executable, "benchmarks/benchmark.py", "sweep", pipeline["model"],
         "--src", pipeline["raw"] / "valid.de", "--ref", pipeline["raw"] / "valid.en", "--lines", 12,
         "--latency-lines", 3, "--warmup-lines", 1, "--settings", "3:1:0,5:1:0,5:3:1.0", "--json", out)  # fmt: skip
     result = json.loads(out.read_text())

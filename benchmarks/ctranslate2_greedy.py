@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Greedy decoding of a converted verifier with CTranslate2, timed in a process of its own.
 
-    python scripts/ctranslate2_greedy.py CT2_MODEL_DIR SPM_MODEL --src valid.de --lines 64 \
+    python benchmarks/ctranslate2_greedy.py CT2_MODEL_DIR SPM_MODEL --src valid.de --lines 64 \
         --batch-sizes 1,32,64 --compute-type int8 --threads 2 --max-len-a 1.2 --max-len-b 10
 
 CTranslate2 is what speed-minded CPU users run instead of fairseq, so it is the bar for speed.
 It must never share a process with torch (it ran 5x slower that way on this CPU), so this script
-imports neither torch nor fairseq; scripts/benchmark.py ceiling --ctranslate2 converts the
+imports neither torch nor fairseq; benchmarks/benchmark.py ceiling --ctranslate2 converts the
 verifier (ct2-fairseq-converter) and runs it with its own output limit (--max-len-a x source
 tokens + --max-len-b). Sentences are sorted by length and batched as the benchmark batches them,
 and the first --warmup-lines sentences are decoded once, untimed. Prints one JSON object: per batch size,

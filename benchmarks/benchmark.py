@@ -3,37 +3,37 @@
 
 Choose the setting on the validation set (never on test):
 
-    python scripts/benchmark.py sweep MODEL_DIR --src valid.de --ref valid.en \
+    python benchmarks/benchmark.py sweep MODEL_DIR --src valid.de --ref valid.en \
         --blocks 2,3,5,10 --betas 1,3,5 --taus 0,1,2,3 --lines 500 --latency-lines 100
 
 then measure it on test:
 
-    python scripts/benchmark.py run MODEL_DIR --src test.de --ref test.en \
+    python benchmarks/benchmark.py run MODEL_DIR --src test.de --ref test.en \
         --lossless-block 3 --block 5 --beta 3 --tau 1 --latency-lines 200 \
-        --json BENCHMARKS.json
+        --json benchmarks/results/run-newstest2014.json
 
 Sampling (speculative sampling vs RSD-C vs RSD-S vs fairseq's --sampling --beam 1), per
 temperature, with systems named kind:shape (chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH):
 
-    python scripts/benchmark.py sampling MODEL_DIR --src test.de --ref test.en \
-        --temperatures 1.0,0.7 --systems chain:6,rsd-c:2-1-1,rsd-s:2x3 --json BENCHMARKS-sampling.json
+    python benchmarks/benchmark.py sampling MODEL_DIR --src test.de --ref test.en \
+        --temperatures 1.0,0.7 --systems chain:6,rsd-c:2-1-1,rsd-s:2x3 --json benchmarks/results/sampling.json
 
 The ceiling of the loop (an oracle drafter that proposes the verifier's own greedy translation,
 so every draft is accepted), the real drafter, and each iteration's cost in greedy steps split into
 draft, score, accept and commit, per batch size:
 
-    python scripts/benchmark.py ceiling MODEL_DIR --src valid.de --lines 64 --block 10 \
-        --batch-sizes 1,32,64 --ctranslate2 --json BENCHMARKS-ceiling.json
+    python benchmarks/benchmark.py ceiling MODEL_DIR --src valid.de --lines 64 --block 10 \
+        --batch-sizes 1,32,64 --ctranslate2 --json benchmarks/results/ceiling.json
 
 (--ctranslate2 adds the verifier converted with CTranslate2, greedy in fp32 and int8, each run in
-a process of its own by scripts/ctranslate2_greedy.py.)
+a process of its own by benchmarks/ctranslate2_greedy.py.)
 
 What scoring a block of W entries costs the verifier against scoring one (a greedy step of the
 same scorer), per batch size; if every draft were accepted, an iteration of k drafts would emit
 k + 1 tokens for the cost of W = k + 1:
 
-    python scripts/benchmark.py block-cost MODEL_DIR --src valid.de --widths 1,2,4,8,11,16,26 \
-        --batch-sizes 1,32,64 --json BENCHMARKS-block-cost.json
+    python benchmarks/benchmark.py block-cost MODEL_DIR --src valid.de --widths 1,2,4,8,11,16,26 \
+        --batch-sizes 1,32,64 --json benchmarks/results/block-cost.json
 
 (--compile: the same calls of the scorer compiled by torch.compile, alternated with the eager ones.)
 
@@ -548,7 +548,7 @@ def block_cost(args):
 
 def ctranslate2_runs(args):
     """The verifier converted with CTranslate2's fairseq converter, greedy in fp32 and int8, each
-    timed in a process of its own (scripts/ctranslate2_greedy.py; never beside torch), with its
+    timed in a process of its own (benchmarks/ctranslate2_greedy.py; never beside torch), with its
     faster thread count (1 or torch's) per batch size."""
     bin_dir = Path(sys.executable).parent
     reports = {}
