@@ -222,15 +222,14 @@ def sweep(args):
         (k, beta, tau) for k, beta, tau in itertools.product(args.blocks, args.betas, args.taus)
         if beta > 1 or tau == args.taus[0]
     ]
-    adaptive_choices = (False, True) if args.adaptive else (False,)
-    for (block, beta, tau), adaptive in itertools.product(settings, adaptive_choices):
-        name = f"spec k={block}{' adaptive' if adaptive else ''} beta={beta} tau={tau}"
-        spec = speculating(pair, block_size=block, beta=beta, tau=tau, adaptive_block=adaptive)
+    for block, beta, tau in settings:
+        name = f"spec k={block} beta={beta} tau={tau}"
+        spec = speculating(pair, block_size=block, beta=beta, tau=tau)
         out = decode_all(pair, {name: spec}, tokens, args.batch_size)[name]
         # Batch-1 time relative to fairseq greedy, alternated sentence by sentence.
         single = batch1_seconds(pair, {"greedy": greedy_one, name: spec}, latency_tokens)
         rows.append({
-            "system": name, "block": block, "adaptive_block": adaptive, "beta": beta, "tau": tau,
+            "system": name, "block": block, "beta": beta, "tau": tau,
             "bleu": bleu(pair, out["tokens"], refs)[0],
             "mean_accepted_per_iteration": out["mean_accepted_per_iteration"],
             "verifier_calls_per_sentence": out["verifier_calls_per_sentence"],
@@ -745,8 +744,6 @@ def main():
     parser.add_argument("--blocks", type=comma_list(int), default=[2, 3, 5, 10], help="sweep: block sizes k")
     parser.add_argument("--betas", type=comma_list(int), default=[1, 3, 5], help="sweep: beta values")
     parser.add_argument("--taus", type=comma_list(float), default=[0.0, 1.0, 2.0], help="sweep: tau values")
-    parser.add_argument("--adaptive", action="store_true",
-                        help="sweep: run every setting with fixed k and with --adaptive-block (k at most --blocks' value)")
     parser.add_argument("--settings", type=comma_list(setting), default=None,
                         help="sweep: explicit k:beta:tau list instead of the product, e.g. 5:1:0,10:3:1")
     parser.add_argument("--lossless-block", type=int, default=DEFAULTS.block_size, help="run: k of the lossless system")

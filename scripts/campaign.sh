@@ -1,15 +1,14 @@
 #!/bin/bash
 # The whole model recipe as one resumable campaign: verifier to convergence, its final model,
 # greedy distillation of the training set, then on it the cached drafter, the Spec-Drafter, the
-# cached drafter trained on short blocks, the 1-layer cached drafter and the cached drafter that
-# reads the verifier's states.
+# cached drafter trained on short blocks and the 1-layer cached drafter.
 #   [PATIENCE=3] [COMPARISON_EPOCHS=10] scripts/campaign.sh DATA_BIN SPM_MODEL RAW_DIR WORK_DIR \
 #     [fairseq-train flags]
 # DATA_BIN and SPM_MODEL come from scripts/prepare_data.py RAW_DIR (the data-bin and its spm.model);
 # RAW_DIR holds the raw {train,valid,test}.{de,en}: the final BLEU is scored against its
 # references, and its size sets the distillation's shards. Each stage writes under WORK_DIR
 # (verifier/, distilled/, drafter-cached/, drafter-spec/, drafter-short/,
-# drafter-cached-1layer/, drafter-states/); training stages append to their train.log. The
+# drafter-cached-1layer/); training stages append to their train.log. The
 # extra flags go to every fairseq-train after the campaign's checkpoint flags
 # (--save-interval-updates 500 --keep-interval-updates 5 --max-epoch 30), which they can
 # change, and before the stage's own flags, which they cannot (the comparison drafters'
@@ -189,10 +188,9 @@ print("--beta", s.beta, "--tau", s.tau)') || true
   # 8 cuts per sentence (as many masks per sentence, twice the first positions: the cached
   # drafter earns 0.98 of its 1.04 accepted drafts in its first 3; BENCHMARKS.md; validated at
   # its own k = 5, which costs the cached drafter 0.013 drafts against k = 10), the 1-layer
-  # cached drafter (cheaper drafts), and the drafter with the verifier's states (it accepted as
-  # much as the one without in its first 2 epochs, trains 10 % slower and weighs 12 MB more).
+  # cached drafter (cheaper drafts).
   local own
-  for kind in cached spec short cached-1layer states; do
+  for kind in cached spec short cached-1layer; do
     # each drafter's decoder depth comes last: an extra --decoder-layers (the verifier's) cannot
     # change it
     own=()
@@ -202,7 +200,6 @@ print("--beta", s.beta, "--tau", s.tau)') || true
       spec) size=small layers=2 ;;
       short) size=cached_small layers=2 own+=(--block-size 5 --cuts-per-sentence 8) ;;
       cached-1layer) size=cached_small layers=1 ;;
-      states) size=cached_small layers=2 own+=(--verifier-states) ;;
     esac
     train "drafter-$kind" --metrics loss,acc,accepted_lossless,accepted_top_beta \
       --best-metric accepted_lossless --maximize --min-delta 0.01 -- \

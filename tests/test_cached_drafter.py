@@ -10,9 +10,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.drafters import CachedDrafter
-from spec_nmt.decoding.generator import SpeculativeGenerator
 from spec_nmt.decoding.settings import DEFAULTS
-from spec_nmt.decoding.verifier import INITIAL_CACHE_SLOTS, TransformerVerifier
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import cut_visibility
 from spec_nmt.models.spec_drafter import MASK_SYMBOL
@@ -20,7 +18,6 @@ from tests.conftest import (
     BLOCK_SIZE,
     REPO,
     USER_DIR,
-    assert_refuses_changed_decoder,
     fairseq,
     train_drafter,
     train_losses,
@@ -38,11 +35,6 @@ def load_pair(toy, drafter_name):
 @pytest.fixture(scope="module")
 def pair(toy):
     return load_pair(toy, "cached_drafter")
-
-
-@pytest.fixture(scope="module")
-def states_pair(toy):
-    return load_pair(toy, "states_drafter")
 
 
 def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
@@ -102,34 +94,24 @@ def test_a_mask_block_sees_its_cut_prefix_and_its_own_block_only():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("pair_name", ["pair", "states_pair"])
-def test_cached_iterations_equal_full_recomputation(pair_name, request):
+def test_cached_iterations_equal_full_recomputation(pair):
     """Random accept lengths per row, one row leaving: every iteration's mask distributions on
-    the cache equal the training forward over BOS + prefix + masks from scratch. The states
-    drafter gets the verifier's states from the verifier's own block scoring, as in decoding;
-    its training forward computes them with its frozen copy of the verifier's decoder."""
-    task, drafter, verifier_model = request.getfixturevalue(pair_name)
+    the cache equal the training forward over BOS + prefix + masks from scratch."""
+    task, drafter, verifier_model = pair
     dictionary = task.target_dictionary
     pad, eos = dictionary.pad(), dictionary.eos()
     adapter = CachedDrafter(drafter, pad=pad, eos=eos)
-    reads_states = pair_name == "states_pair"
-    assert adapter.reads_verifier_states == reads_states
-    if reads_states:  # trained: the states matter
-        assert drafter.state_projection.weight.abs().max() > 1e-3
-    verifier = TransformerVerifier(verifier_model)
     mask = task.drafter_dictionaries()[1].index(MASK_SYMBOL)
     src = torch.tensor([[pad, 9, 10, 11, eos], [12, 13, 14, 15, eos], [16, 17, 18, 19, eos]])
     net_input = {"src_tokens": src, "src_lengths": src.ne(pad).sum(1)}
     encoder_out = verifier_model.encoder.forward_torchscript(net_input)
     state = adapter.start(net_input, encoder_out)
-    verifier_state = verifier.start(net_input, encoder_out)
     generator = torch.Generator().manual_seed(3)
     tokens = torch.full((3, 200), pad)
     tokens[:, 0] = eos
     lengths = torch.zeros(3, dtype=torch.long)
     rows = torch.arange(3)
     k = BLOCK_SIZE
-    # 16 iterations: the cache and the states buffer outgrow their first slots
     for iteration in range(16):
         cached = adapter.position_logits(state, tokens[rows], lengths[rows], k).log_softmax(-1)
         for i, row in enumerate(rows.tolist()):
@@ -140,84 +122,18 @@ def test_cached_iterations_equal_full_recomputation(pair_name, request):
             logits = logits[0, :, :mask].float()
             logits[:, pad] = float("-inf")
             torch.testing.assert_close(cached[i], logits.log_softmax(-1), atol=1e-5, rtol=1e-5)
-            if reads_states and iteration == 3:  # the states shifted by one entry differ
-                encoded = drafter.encoder(*source)
-                states = drafter.verifier_states(decoder_input.unsqueeze(0), encoded)
-                shifted = drafter.state_projection(torch.cat([states[:, 1:], states[:, -1:]], 1))
-                wrong, _ = drafter.decoder(decoder_input.unsqueeze(0), encoded,
-                                           cuts=torch.tensor([[length]]), prefix_input=shifted)
-                wrong = wrong[0, :, :mask].float()
-                wrong[:, pad] = float("-inf")
-                difference = (cached[i] - wrong.log_softmax(-1)).nan_to_num()  # PAD: -inf - -inf
-                assert difference.abs().max() > 1e-3
         # each row commits 0 .. k+1 new tokens (accepted drafts plus the verifier's token; 0: a
-        # finished row the loop still carries); the verifier scores [pending token, new tokens
-        # but the last]: the states that chose them
+        # finished row the loop still carries)
         n_new = torch.randint(0, k + 2, (len(rows),), generator=generator)
-        block = torch.full((len(rows), max(int(n_new.max()), 1)), pad)
         for i, row in enumerate(rows.tolist()):
             n = int(n_new[i])
             new = torch.randint(dictionary.nspecial, len(dictionary), (n,), generator=generator)
-            block[i, 0] = tokens[row, lengths[row]]
-            block[i, 1:n] = new[: n - 1]
             tokens[row, lengths[row] + 1 : lengths[row] + 1 + n] = new
             lengths[row] += n
-        verifier.score_logits(verifier_state, block)
-        verifier.commit(verifier_state, None, n_new)
-        adapter.commit(state, None, n_new, verifier_state.block_states)
+        adapter.commit(state, None, n_new)
         if iteration == 2:
             rows = torch.tensor([0, 2])
             adapter.select_rows(state, torch.tensor([0, 2]))
-            verifier.select_rows(verifier_state, torch.tensor([0, 2]))
-    if reads_states:
-        assert state.prefix_input.size(1) > 2 * INITIAL_CACHE_SLOTS  # it grew
-
-
-def test_the_states_drafter_refuses_another_verifier_decoder(states_pair):
-    _, drafter, verifier = states_pair
-    drafter.check_verifier_matches(verifier)
-    assert_refuses_changed_decoder(drafter, verifier)
-
-
-def test_verifier_states_need_the_verifier(toy, tmp_path):
-    result = train_drafter(toy["bin"], tmp_path / "d", 1, "--arch", "cached_drafter",
-                           "--verifier-states", check=False)  # fmt: skip
-    errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
-    refusal = "--verifier-states trains with the verifier's decoder"
-    assert errors and refusal in errors[0], result.stderr[-2000:]
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("verify", ["top_beta", "rsd"])
-def test_decoding_hands_the_drafter_the_states_that_chose_each_token(states_pair, verify):
-    """Through the decoding loop (a chain, and a draft tree whose kept entries are not the first
-    ones): the drafter's input for each output token is the projected state its training forward
-    computes for it, the verifier's state before that token."""
-    task, drafter, verifier_model = states_pair
-    dictionary = task.target_dictionary
-    pad, eos = dictionary.pad(), dictionary.eos()
-    adapter = CachedDrafter(drafter, pad=pad, eos=eos)
-    states = []
-    start = adapter.start
-    adapter.start = lambda *args: states.append(start(*args)) or states[-1]
-    settings = DEFAULTS.replace(block_size=BLOCK_SIZE, verify=verify,
-                                tree_branching="2,2,1" if verify == "rsd" else None)  # fmt: skip
-    generator = SpeculativeGenerator(TransformerVerifier(verifier_model), adapter, dictionary,
-                                     settings)  # fmt: skip
-    trees = 0
-    for source in ([9, 10, 11, 12, eos], [13, 14, 15, eos], [16, 17, 18, 19, 20, 21, eos]):
-        src = torch.tensor([source])
-        sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([len(source)])}}
-        trace = []
-        output = generator.generate([verifier_model], sample, trace=trace)[0][0]["tokens"]
-        trees += sum(any(a != i for i, a in enumerate(r.accepted_path)) for r in trace)
-        decoder_input = torch.cat([torch.tensor([eos]), output]).unsqueeze(0)
-        encoded = drafter.encoder(src, sample["net_input"]["src_lengths"])
-        expected = drafter.state_projection(drafter.verifier_states(decoder_input, encoded))
-        written = states[-1].prefix_input[:, : decoder_input.size(1)]
-        torch.testing.assert_close(written, expected, atol=1e-5, rtol=1e-5)
-    if verify == "rsd":  # some kept entries were not the block's first ones
-        assert trees > 0
 
 
 def test_training_without_the_verifier_is_refused_in_one_line(toy, tmp_path):

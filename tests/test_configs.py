@@ -65,7 +65,6 @@ CONFIGS = {  # (script, preset) -> its hydra config; None: the recipe has none
     ("train_drafter.sh", "base"): "drafter/base.yaml",
     ("train_drafter.sh", "cached_small"): "drafter/cached_small.yaml",
     ("train_drafter.sh", "cached_base"): None,
-    ("train_drafter.sh", "heads_small"): "drafter/heads_small.yaml",
 }
 # YAML keys that are the command's arguments or a section's name, not a flag of the recipe
 NOT_FLAGS = {"data", "save_dir", "_name"}

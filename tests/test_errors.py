@@ -33,10 +33,7 @@ def assert_one_line_error(result, *fragments):
     [
         (["--block-size", -1], "--block-size must be an integer >= 0 (0: no drafts)"),
         (["--block-size", 0, "--verify", "rsd"], "--block-size 0 (no drafts) decodes with the"),
-        (["--block-size", 0, "--adaptive-block"], "neither a draft tree"),
         (["--block-size", 0, "--tree-branching", "2,1"], "--block-size 0 (no drafts) decodes"),
-        (["--adaptive-block", "--tree-branching", "2,1"], "does not fit a draft tree"),
-        (["--adaptive-block", "--tree-budget", 6], "does not fit a draft tree"),
         (["--beta", 0], "--beta must be an integer >= 1"),
         (["--max-draft-batch", -2], "--max-draft-batch must be an integer >= 0"),
         (["--beta", 3, "--tau", 1, "--max-draft-batch", 4],

@@ -1,7 +1,7 @@
 """The whole recipe on the toy corpus, through the real scripts: raw text -> sentencepiece +
 fairseq-preprocess -> scripts/campaign.sh (verifier, its averaged final model, distillation, the
-cached drafter, then for comparison the Spec-Drafter, the short-block, the 1-layer and the
-states-reading cached drafters, all started from the verifier) -> compact model directory ->
+cached drafter, then for comparison the Spec-Drafter, the short-block and the 1-layer cached
+drafters, all started from the verifier) -> compact model directory ->
 `make translate` and benchmarks/benchmark.py."""
 
 import io
@@ -70,16 +70,14 @@ def build_pipeline(root):
     campaign_log = run(*campaign, env_update=limits).stdout
     verifier = root / "campaign" / "verifier" / "checkpoint_final.pt"
     # a model directory with each drafter kind
-    exports = (("model", "drafter-spec"), ("cached_model", "drafter-cached"),
-               ("states_model", "drafter-states"))  # fmt: skip
+    exports = (("model", "drafter-spec"), ("cached_model", "drafter-cached"))
     for model_dir, stage in exports:
         drafter = root / "campaign" / stage / "checkpoint_last.pt"
         run(py, "scripts/export_model.py", root / model_dir, "--verifier", verifier,
             "--drafter", drafter, "--data-bin", data_bin, "--spm-model", spm_model)  # fmt: skip
     return {"raw": raw, "data": root / "data", "campaign": root / "campaign",
             "campaign_command": campaign, "campaign_log": campaign_log, "verifier": verifier,
-            "model": root / "model", "cached_model": root / "cached_model",
-            "states_model": root / "states_model"}
+            "model": root / "model", "cached_model": root / "cached_model"}
 
 
 def test_prepared_data_keeps_valid_and_test_complete(pipeline):
@@ -168,8 +166,7 @@ def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path
     assert refusal in other_beam.stderr
 
 
-DRAFTER_STAGES = ("drafter-cached", "drafter-spec", "drafter-short", "drafter-cached-1layer",
-                  "drafter-states")  # fmt: skip
+DRAFTER_STAGES = ("drafter-cached", "drafter-spec", "drafter-short", "drafter-cached-1layer")
 
 
 def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
@@ -186,7 +183,6 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
         cfg = torch.load(campaign / stage / "checkpoint_last.pt", weights_only=False)["cfg"]
         model, task = cfg["model"], cfg["task"]
         assert model.decoder_layers == (1 if stage.endswith("1layer") else 2)
-        assert getattr(model, "verifier_states", False) == (stage == "drafter-states")
         blocks = {"drafter-spec": (10, 3), "drafter-short": (5, 8)}.get(stage, (10, 4))
         assert (task["block_size"], task["cuts_per_sentence"]) == blocks  # k, cuts per sentence
     verifier = torch.load(pipeline["verifier"], weights_only=False)["cfg"]["model"]
@@ -204,7 +200,7 @@ def test_campaign_ran_every_stage_and_a_second_run_does_nothing(pipeline):
     assert {path: path.read_bytes() for path in logs} == logs
 
 
-@pytest.mark.parametrize("model", ["model", "cached_model", "states_model"])
+@pytest.mark.parametrize("model", ["model", "cached_model"])
 def test_exported_models_are_fp16_without_optimizer_state(pipeline, model):
     model_dir = pipeline[model]
     for name in ("verifier.pt", "drafter.pt"):
@@ -229,7 +225,7 @@ def test_exported_models_are_fp16_without_optimizer_state(pipeline, model):
     assert "draft_vocabulary" not in torch.load(model_dir / "verifier.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("model", ["model", "cached_model", "states_model"])
+@pytest.mark.parametrize("model", ["model", "cached_model"])
 def test_make_translate_gives_greedy_output_line_by_line(pipeline, model):
     lines = [line.replace(" ", "") for line in (pipeline["raw"] / "test.de").read_text().splitlines()[:8]]
     # Words glued together exercise sentencepiece on text it must split itself; an empty line too.

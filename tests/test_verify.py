@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from spec_nmt.decoding.generator import adapted_block_sizes
 from spec_nmt.decoding.verify import accept_top_beta, check_top_beta_params
 from spec_nmt.errors import SpecNmtError
 
@@ -114,9 +113,3 @@ def test_shape_mismatch_is_a_programming_error_with_traceback():
 def test_invalid_parameters(beta, tau):
     with pytest.raises(SpecNmtError):
         check_top_beta_params(beta, tau)
-
-
-def test_adaptive_block_sizes_double_after_full_blocks_and_drop_after_rejections():
-    sizes = torch.tensor([4, 4, 8, 2, 6])
-    accepted = torch.tensor([4, 1, 8, 3, 0])  # full, early rejection, full at the cap, more than k, none
-    assert adapted_block_sizes(sizes, accepted, depth=8, largest=10).tolist() == [8, 2, 10, 4, 1]

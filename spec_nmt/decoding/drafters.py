@@ -4,12 +4,11 @@ a tree too, see tree.py). Every drafter keeps the ``Drafter`` contract below.
 * ``NarDrafter``: the non-autoregressive Spec-Drafter. One decoder pass over
   ``BOS + prefix + k [MASK]`` gives a distribution per block position; the node at depth d draws
   its children from position d+1's distribution, whatever its ancestors are.
-  The NAR drafters (this one, the cached and the heads drafter) may draft over a *draft
+  The NAR drafters (this one and the cached drafter) may draft over a *draft
   vocabulary* (``restrict_output``): the target symbols their training data uses most, so that
   the output projection, the largest matrix a drafter reads per iteration, has only those rows.
 * ``CachedDrafter``: the cached drafter, NAR on the verifier's encoder output with a cached
   causal prefix.
-* ``HeadsDrafter``: draft heads on the verifier's own last-layer states (no decoder pass).
 * ``NoDrafter``: drafts nothing (k = 0: the verifier alone on the same loop).
 * ``ArDrafter``: an ordinary fairseq Transformer. Drafting feeds one tree level per step on its
   own KV cache (tree attention, like the verifier's), so every node's children are drawn from the
@@ -35,14 +34,7 @@ from spec_nmt.decoding.tree import (
     gumbel_top_k,
     stochastic_beam_step,
 )
-from spec_nmt.decoding.verifier import (
-    INITIAL_CACHE_SLOTS,
-    TransformerVerifier,
-    VerifierState,
-    value_range,
-)
-from spec_nmt.errors import SpecNmtError
-from spec_nmt.models.heads_drafter import SourceMemory, source_memory
+from spec_nmt.decoding.verifier import TransformerVerifier, VerifierState, value_range
 from spec_nmt.models.spec_drafter import MASK_SYMBOL, masked_input
 
 
@@ -71,8 +63,7 @@ class DraftPlan:
         return cls(branching=(1,) * k, sample=sample)
 
     def shrink(self, depth: int) -> "DraftPlan":
-        """The same plan at most ``depth`` levels deep (near the position limit, or for
-        adaptive k)."""
+        """The same plan at most ``depth`` levels deep (near the position limit)."""
         if self.beam_width:
             return DraftPlan(beam_width=self.beam_width, beam_depth=min(depth, self.beam_depth),
                              sample=self.sample)  # fmt: skip
@@ -83,9 +74,6 @@ class Drafter(Protocol):
     """What the decoding loop asks of a drafter. A state is the drafter's own per-batch object;
     every method that changes it changes it in place (as the verifier's ``select_rows`` and
     ``commit`` do)."""
-
-    # whether ``commit`` needs the verifier's last-layer states at the kept entries
-    reads_verifier_states: bool
 
     def max_positions(self) -> int:
         """Decoder positions the drafter can draft at."""
@@ -102,13 +90,10 @@ class Drafter(Protocol):
         (``tokens[b, 0]`` is BOS; ``tokens[b, lengths[b]]`` the pending token). The loop
         changes ``tokens`` and ``lengths`` in place afterwards: keep copies, not them."""
 
-    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor,
-               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Row b's verified prefix grew by the block entries ``keep[b, :n_keep[b]]`` (the
         pending token and the accepted path, in the verifier's scoring order); ``keep=None``:
-        by the first ``n_keep[b]`` entries (a chain). ``verifier_states`` [B, >= n_keep, C]
-        (when the drafter reads them): the verifier's last-layer states at those entries, in
-        that order, each the state that chose the token after its entry."""
+        by the first ``n_keep[b]`` entries (a chain)."""
 
     def select_rows(self, state, rows: Tensor) -> None:
         """Keep only ``rows`` of the batch."""
@@ -222,8 +207,6 @@ class NarDrafter:
     cached between iterations; the (deep) encoder runs once per sentence.
     """
 
-    reads_verifier_states = False
-
     def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
         """``vocabulary``: the ascending symbol ids that ``restrict_output`` left the model's
         output projection (None: every symbol of the verifier's dictionary)."""
@@ -306,55 +289,33 @@ class NarDrafter:
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
         return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
 
-    def commit(self, encoder_out, keep: Optional[Tensor], n_keep: Tensor,
-               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
+    def commit(self, encoder_out, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Nothing to keep: the next pass reads the whole verified prefix again."""
 
     def select_rows(self, encoder_out: Dict, rows: Tensor) -> None:
         encoder_out.update(self.model.encoder.reorder_encoder_out(encoder_out, rows))
 
 
-@dataclass
-class CachedDrafterState:
-    """The cached drafter's per-batch state: its prefix cache (the block scorer's state) and,
-    with --verifier-states, each prefix slot's projected verifier state [B, slots, C] (slot j:
-    the input the entry of output token j gets; slot 0, BOS's, is zeros)."""
-
-    cache: VerifierState
-    prefix_input: Optional[Tensor] = None
-
-
 class CachedDrafter(NarDrafter):
     """The cached drafter (models/cached_drafter.py): a NAR drafter on the verifier's encoder
     output whose causal prefix lives in a KV cache. Each iteration feeds the tokens committed
     since the last one (causally, kept in the cache) and the k masks (seeing the prefix and each
-    other, dropped again), on the verifier's block scorer. With --verifier-states the committed
-    entries also get the verifier's states that ``commit`` receives."""
+    other, dropped again), on the verifier's block scorer."""
 
     def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
         super().__init__(model, pad, eos, vocabulary)
-        # only the decoder runs: its encoder copy (and a states drafter's verifier decoder copy)
-        # is for training
+        # only the decoder runs: its encoder copy is for training
         self.scorer = TransformerVerifier(model, role="the cached drafter (--drafter-path)",
                                           drafter=True, project=PackedLinears(model.decoder))
-        self.state_projection = model.state_projection
-        self.reads_verifier_states = self.state_projection is not None
         self._visibility: Dict[Tuple[int, int, torch.device], Tensor] = {}
 
-    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict):
-        cache = self.scorer.start(net_input, encoder_out=verifier_encoder_out)
-        prefix_input = None
-        if self.reads_verifier_states:
-            batch = cache.fed_lengths.size(0)
-            weight = self.state_projection.weight
-            # room for the cache's first slots and a block behind them (see commit)
-            prefix_input = weight.new_zeros(batch, 2 * INITIAL_CACHE_SLOTS, weight.size(0))
-        return CachedDrafterState(cache, prefix_input)
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> VerifierState:
+        return self.scorer.start(net_input, encoder_out=verifier_encoder_out)
 
-    def position_logits(self, state: CachedDrafterState, tokens: Tensor, lengths: Tensor, k: int):
+    def position_logits(self, cache: VerifierState, tokens: Tensor, lengths: Tensor, k: int):
         """Float logits [B, k, D] over the draft columns at the k masks after each row's
         ``tokens[b, :lengths[b] + 1]``; the prefix entries not yet in the cache join it."""
-        fed = state.cache.fed_lengths
+        fed = cache.fed_lengths
         n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
         fewest, width = value_range(n_new)
         order = torch.arange(width, device=tokens.device)
@@ -376,14 +337,8 @@ class CachedDrafter(NarDrafter):
             visible = visible & real.unsqueeze(1) & real.unsqueeze(2)
             visible |= torch.eye(width + k, dtype=torch.bool, device=tokens.device)
         block = torch.cat([new_tokens, tokens.new_full((tokens.size(0), k), self.mask)], dim=1)
-        added = None
-        if state.prefix_input is not None:
-            prefix_input = state.prefix_input
-            index = slots.clamp(max=prefix_input.size(1) - 1).unsqueeze(2)
-            added = prefix_input.gather(1, index.expand(-1, -1, prefix_input.size(2)))
-        logits = self.scorer.score_logits(state.cache, block, depths, visible, outputs=k,
-                                          added_input=added)  # fmt: skip
-        self.scorer.commit(state.cache, None, n_new)
+        logits = self.scorer.score_logits(cache, block, depths, visible, outputs=k)
+        self.scorer.commit(cache, None, n_new)
         return self._draft_columns(logits)
 
     def _visibility_pattern(self, width: int, k: int, device: torch.device) -> Tensor:
@@ -396,101 +351,17 @@ class CachedDrafter(NarDrafter):
             self._visibility[key] = (causal | (column >= width).unsqueeze(1)).unsqueeze(0)
         return self._visibility[key]
 
-    def commit(self, state: CachedDrafterState, keep: Optional[Tensor], n_keep: Tensor,
-               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
-        """The accepted tokens join the cache as prefix entries next time; with
-        --verifier-states their inputs are written now, behind the fed entries (the kept
-        entries' states: the one that chose each new token)."""
-        if state.prefix_input is None:
-            return
-        if verifier_states is None:
-            raise ValueError("this cached drafter reads the verifier's states: commit needs them")
-        projected = self.state_projection(verifier_states)
-        slots = state.cache.fed_lengths.unsqueeze(1) + torch.arange(
-            projected.size(1), device=projected.device
-        )
-        # a bound known without reading the device: every row's fed entries fit in its cache
-        needed = state.cache.capacity + projected.size(1)
-        prefix_input = state.prefix_input
-        batch, capacity, channels = prefix_input.shape
-        if needed > capacity:  # grow by doubling
-            grown = prefix_input.new_zeros(batch, max(needed, 2 * capacity), channels)
-            grown[:, :capacity] = prefix_input
-            state.prefix_input = prefix_input = grown
-        # entries past n_keep write slots that the next commit overwrites before they are read
-        prefix_input.scatter_(1, slots.unsqueeze(2).expand(-1, -1, projected.size(2)), projected)
+    def commit(self, cache: VerifierState, keep: Optional[Tensor], n_keep: Tensor) -> None:
+        """The accepted tokens join the cache as prefix entries next time."""
 
-    def select_rows(self, state: CachedDrafterState, rows: Tensor) -> None:
-        self.scorer.select_rows(state.cache, rows)
-        if state.prefix_input is not None:
-            state.prefix_input = state.prefix_input.index_select(0, rows)
-
-
-@dataclass
-class HeadsDrafterState:
-    """The batch's source memory, and per row the verifier's last-layer state [B, C] that chose
-    its pending token (None before the verifier's first call)."""
-
-    memory: SourceMemory
-    chooser: Optional[Tensor] = None
-
-
-class HeadsDrafter(NarDrafter):
-    """Draft heads (models/heads_drafter.py) on the verifier's own states: ``commit`` keeps the
-    state that chose each row's new pending token, ``propose`` turns it into k distributions
-    (the NAR drafters' trees). The first iteration of a batch drafts nothing."""
-
-    reads_verifier_states = True
-
-    def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
-        super().__init__(model, pad, eos, vocabulary)
-        self.heads = model.heads
-        self.project = PackedLinears(torch.nn.ModuleList([model.heads,
-                                                          model.decoder.output_projection]))
-
-    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> HeadsDrafterState:
-        return HeadsDrafterState(source_memory(self.model.decoder, verifier_encoder_out))
-
-    def check_depth(self, k: int) -> None:
-        """No more drafts than heads."""
-        if k > self.heads.count:
-            raise SpecNmtError(
-                f"the drafter has {self.heads.count} draft heads: it drafts at most "
-                f"{self.heads.count} tokens per iteration (--block-size, tree depth), asked {k}"
-            )
-
-    def position_logits(self, state: HeadsDrafterState, tokens: Tensor, lengths: Tensor, k: int):
-        """Float logits [B, k, D] over the draft columns, from the first k heads."""
-        pending = self.model.decoder.embed_tokens(tokens.gather(1, lengths.unsqueeze(1)))
-        features = self.heads(state.chooser, pending.squeeze(1), state.memory, k, self.project)
-        return self._draft_columns(self.project(self.model.decoder.output_projection, features))
-
-    def propose(self, state: HeadsDrafterState, tokens, lengths, plan: DraftPlan,
-                generator) -> DraftTree:  # fmt: skip
-        if state.chooser is None:  # no verifier state yet: no drafts (the verifier's own step)
-            return no_drafts(tokens, self.mask, plan.sample)  # ([MASK] follows every symbol)
-        return super().propose(state, tokens, lengths, plan, generator)
-
-    def commit(self, state: HeadsDrafterState, keep: Optional[Tensor], n_keep: Tensor,
-               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
-        if verifier_states is None:
-            raise ValueError("a heads drafter drafts from the verifier's states: commit needs them")
-        last = (n_keep - 1).clamp(min=0)  # finished rows (n_keep 0) keep anything
-        index = last.view(-1, 1, 1).expand(-1, 1, verifier_states.size(2))
-        state.chooser = verifier_states.gather(1, index).squeeze(1)
-
-    def select_rows(self, state: HeadsDrafterState, rows: Tensor) -> None:
-        state.memory = state.memory.select(rows)
-        if state.chooser is not None:
-            state.chooser = state.chooser.index_select(0, rows)
+    def select_rows(self, cache: VerifierState, rows: Tensor) -> None:
+        self.scorer.select_rows(cache, rows)
 
 
 class NoDrafter:
     """Drafts nothing: with k = 0 the loop decodes with the verifier alone, one entry per verifier
     call (greedy, or sampling from the verifier), on the same block scorer and packed products as
     speculative decoding; the drafter that was loaded is not run."""
-
-    reads_verifier_states = False
 
     def __init__(self, max_positions: int, symbols: int):
         self._max_positions, self.symbols = max_positions, symbols
@@ -507,8 +378,7 @@ class NoDrafter:
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
         return no_drafts(tokens, self.symbols, plan.sample)
 
-    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor,
-               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Nothing to keep."""
 
     def select_rows(self, state, rows: Tensor) -> None:
@@ -531,8 +401,6 @@ class ArDrafter:
     verifier's block scorer (KV cache with tree attention). Each iteration feeds the pending
     token and then every tree level, leaves included, so that after ``commit`` its cache holds
     the whole verified prefix except the new pending token."""
-
-    reads_verifier_states = False
 
     def __init__(self, model, pad: int, eos: int):
         self.scorer = TransformerVerifier(model, role="the autoregressive drafter (--drafter-path)",
@@ -558,8 +426,7 @@ class ArDrafter:
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
         return grow_tree(plan, pending, expand, self.eos, generator)
 
-    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor,
-               verifier_states: Optional[Tensor] = None) -> None:  # fmt: skip
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
         self.scorer.commit(state, keep, n_keep)
 
     def select_rows(self, state, rows: Tensor) -> None:

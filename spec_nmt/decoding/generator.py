@@ -175,7 +175,6 @@ class SpeculativeGenerator:
         # has finished: copying every cache out for each finished sentence costs more.
         live = torch.ones_like(lengths, dtype=torch.bool)
         finished = 0
-        block_sizes = torch.full_like(lengths, full_plan.depth)  # k of each state row (adaptive)
         # an upper bound of the longest live prefix: the position limit is checked on the
         # device only when it could be near
         longest = 0
@@ -183,8 +182,6 @@ class SpeculativeGenerator:
 
         while sentences:
             depth = full_plan.depth
-            if self.settings.adaptive_block:
-                depth = int(block_sizes[live].max())
             # The drafter cannot look past its own position limit: shrink the drafts near it.
             if longest + depth > position_limit:
                 longest = int(lengths[live].max())
@@ -224,18 +221,10 @@ class SpeculativeGenerator:
             iterations += live
             accepted += n_accepted
             drafted += (tree.valid & live.unsqueeze(1)).sum(dim=1)
-            if self.settings.adaptive_block and tree.tokens.size(1):  # (no drafts: no verdict)
-                block_sizes = adapted_block_sizes(block_sizes, n_accepted, plan.depth,
-                                                  full_plan.depth)  # fmt: skip
             n_kept = (n_accepted + 1) * live
             kept = None if plan.is_chain else kept_entries  # a chain keeps its first entries
-            kept_states = None
-            if drafter.reads_verifier_states:
-                block_states = verifier_state.block_states  # [B, W, C]
-                index = kept_entries.unsqueeze(2).expand(-1, -1, block_states.size(2))
-                kept_states = block_states.gather(1, index)
             self.verifier.commit(verifier_state, kept, n_kept)
-            drafter.commit(drafter_state, kept, n_kept, kept_states)
+            drafter.commit(drafter_state, kept, n_kept)
             self.stats.batched_verifier_calls += 1
             ended &= live
             for i in ended.nonzero().squeeze(1).tolist():
@@ -248,7 +237,7 @@ class SpeculativeGenerator:
             if finished and 4 * finished >= len(sentences):  # all finished is a quarter too
                 self._count(lengths, iterations, accepted, drafted, ~live)
                 keep = live.nonzero().squeeze(1)
-                live, block_sizes = live[keep], block_sizes[keep]
+                live = live[keep]
                 tokens, token_scores, lengths = tokens[keep], token_scores[keep], lengths[keep]
                 iterations, accepted, drafted = iterations[keep], accepted[keep], drafted[keep]
                 max_lens = max_lens[keep]
@@ -373,18 +362,6 @@ class SpeculativeGenerator:
     def log_summary(self) -> None:
         if self.stats.sentences:
             logger.info(self.stats.summary())
-
-
-def adapted_block_sizes(
-    block_sizes: Tensor, n_accepted: Tensor, depth: int, largest: int
-) -> Tensor:
-    """Each sentence's next k: twice its k after it accepted all its k drafts (at most
-    ``largest``; a batch drafts its largest k for every sentence, ``depth`` this iteration), the
-    accepted count + 1 after a rejection (multiplicative increase, fast decrease: a sentence's
-    acceptance runs are similar from one iteration to the next)."""
-    fully_accepted = n_accepted >= block_sizes.clamp(max=depth)
-    grown = (2 * block_sizes).clamp(max=largest)
-    return torch.where(fully_accepted, grown, n_accepted + 1)
 
 
 def _is_leaf(tree: DraftTree, row: int, node: int) -> bool:

@@ -33,7 +33,6 @@ class DecodingSettings:
     # nodes per iteration, grown by beam search over the drafter's sequences (stochastic for
     # rsd: RSD-S); block_size levels of tree_budget // block_size nodes each
     tree_budget: int = 0
-    adaptive_block: bool = False  # chains: k per sentence from its acceptance, at most block_size
     # the most sentences a batch may have and still draft; a larger batch decodes with the
     # verifier alone on the same loop, since the bundled pair's drafts cost more than they earn
     # in a batch (BENCHMARKS.md). None: 1 for the rules whose translations do not depend on the
@@ -110,15 +109,10 @@ class DecodingSettings:
                 "e.g. 3,2,2,1) and --tree-budget (nodes per iteration, beam search), not both"
             )
         branches = bool(self.tree_branching or self.tree_budget or rule.default_branching)
-        if self.block_size == 0 and (branches or self.adaptive_block):
+        if self.block_size == 0 and branches:
             raise SpecNmtError(
-                "--block-size 0 (no drafts) decodes with the verifier alone: it takes neither "
-                "a draft tree (--verify rsd, --tree-branching, --tree-budget) nor --adaptive-block"
-            )
-        if self.adaptive_block and branches:
-            raise SpecNmtError(
-                "--adaptive-block adapts chains of drafts: it does not fit a draft tree "
-                "(--verify rsd, --tree-branching, --tree-budget)"
+                "--block-size 0 (no drafts) decodes with the verifier alone: it takes no draft "
+                "tree (--verify rsd, --tree-branching, --tree-budget)"
             )
         if not branches:
             return DraftPlan.chain(self.block_size, sample=rule.sampled_drafts)
@@ -187,5 +181,5 @@ DEFAULTS = DecodingSettings()
 REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
 # the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
 RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
-                 "adaptive_block", "max_draft_batch")  # fmt: skip
+                 "max_draft_batch")  # fmt: skip
 GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))

@@ -56,8 +56,6 @@ class VerifierState:
         self.encoder_bias = encoder_bias  # [B, 1, 1, source length]: -inf at source padding
         self.fed_lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.uncommitted = 0  # block entries scored since the last commit (every row alike)
-        # the last block's last-layer states [B, W, C] (what the output projection reads)
-        self.block_states: Optional[Tensor] = None
         self.keys: List[Tensor] = []  # per layer [B, heads, capacity, head_dim]
         self.values: List[Tensor] = []
 
@@ -134,7 +132,6 @@ class TransformerVerifier:
         depths: Optional[Tensor] = None,  # [W] or [B, W]; default 0 .. W-1
         visible: Optional[Tensor] = None,  # [B or 1, W, U+W] bool over uncommitted entries
         outputs: Optional[int] = None,  # logits for the last ``outputs`` entries only
-        added_input: Optional[Tensor] = None,  # [B, N, C] added to the first N embeddings
     ) -> Tensor:
         """Float logits [B, W, V] (temperature applied) of the next token after each of the W
         block inputs (or the last ``outputs`` of them): a fresh tensor the caller may change
@@ -143,8 +140,7 @@ class TransformerVerifier:
         Block entry i of row b sits at decoder position ``fed_lengths[b] + depths[i]`` and sees
         the row's committed prefix plus the uncommitted entries (U from earlier blocks since the
         last commit, then this block's) that ``visible`` marks; by default a causal chain.
-        The block's keys/values join the cache; ``commit`` decides which stay. The block's
-        last-layer states stay in ``state.block_states`` until the next call.
+        The block's keys/values join the cache; ``commit`` decides which stay.
         """
         dec = self.decoder
         batch, width = block_tokens.shape
@@ -161,7 +157,7 @@ class TransformerVerifier:
         lowest, highest = value_range(first_slot)
         span = highest + width
         x = block_forward.embed(dec, block_tokens, state.fed_lengths.unsqueeze(1) + depths,
-                                self._positions(span), added_input)  # fmt: skip
+                                self._positions(span))
         self._reserve(state, span, x)
         uniform = lowest == highest  # always at batch 1
         if uniform:
@@ -203,7 +199,6 @@ class TransformerVerifier:
 
         x = block_forward.layers(dec, x, self_attention, state.encoder_keys, state.encoder_values,
                                  state.encoder_bias, self.project)  # fmt: skip
-        state.block_states = x
         if outputs is not None:
             x = x[:, width - outputs :]
         # the decoder's output_layer without an adaptive softmax (check_supported)
@@ -242,7 +237,6 @@ class TransformerVerifier:
             caches[:] = [cache.index_select(0, rows) for cache in caches]
         if state.encoder_bias is not None:
             state.encoder_bias = state.encoder_bias.index_select(0, rows)
-        state.block_states = None
         state.fed_lengths = state.fed_lengths.index_select(0, rows)
 
     def _reserve(self, state: VerifierState, slots: int, like: Tensor) -> None:

@@ -220,13 +220,10 @@ def position_table(decoder, length: int) -> Tensor:
     return decoder.embed_positions(dummy)[0]
 
 
-def embed(decoder, tokens: Tensor, positions: Tensor, table: Optional[Tensor] = None,
-          added: Optional[Tensor] = None) -> Tensor:  # fmt: skip
+def embed(decoder, tokens: Tensor, positions: Tensor, table: Optional[Tensor] = None) -> Tensor:
     """Decoder input [W, B, C] for tokens [B, W] at 0-based positions [B, W] (or [W]).
     ``table`` is a position table built earlier (decoding); without it one is built now, so
-    learned positions get their gradient (training). ``added`` [B, N, C] joins the token and
-    position embeddings of the first N entries (the cached drafter's projected verifier states
-    for its prefix entries)."""
+    learned positions get their gradient (training)."""
     x = decoder.embed_scale * decoder.embed_tokens(tokens)
     if decoder.quant_noise is not None:
         x = decoder.quant_noise(x)
@@ -237,9 +234,6 @@ def embed(decoder, tokens: Tensor, positions: Tensor, table: Optional[Tensor] = 
             table = position_table(decoder, min(int(positions.max()) + 1, decoder.max_positions()))
         # Positions past the limit are clamped: they only occur after a forced EOS.
         x = x + table[positions.clamp(max=table.size(0) - 1)]
-    if added is not None:
-        prefix = added.size(1)
-        x = torch.cat([x[:, :prefix] + added, x[:, prefix:]], dim=1)
     if decoder.layernorm_embedding is not None:
         x = decoder.layernorm_embedding(x)
     return decoder.dropout_module(x).transpose(0, 1)

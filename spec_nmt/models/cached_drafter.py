@@ -11,28 +11,16 @@ Training uses the same pattern: the verifier's encoder is copied into the model 
 ``--cuts-per-sentence`` blocks of k masks trains every cut at once: block m's masks sit at the
 positions after cut c_m and see the prefix entries up to c_m and their own block only.
 
-With ``--verifier-states`` each prefix entry's input also gets the verifier's last-layer state
-before its token (the state that chose the token; zeros for BOS), projected, as EAGLE (Li et
-al., 2024) feeds a draft head: the drafter then starts from what the verifier knows instead of
-recomputing it with fewer layers. Decoding takes the states the verifier computes for its blocks
-anyway; training computes them with a frozen copy of the verifier's decoder.
 """
-
-import copy
 
 import torch
 from fairseq.models import register_model, register_model_architecture
-from fairseq.models.transformer import (
-    Embedding,
-    TransformerConfig,
-    TransformerDecoderBase,
-    base_architecture,
-)
+from fairseq.models.transformer import TransformerDecoderBase, base_architecture
 from torch import Tensor
 
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models import block_forward
-from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel, score_masks, set_option
+from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel, score_masks
 
 
 def cut_visibility(prefix_width: int, cuts: Tensor, block_size: int) -> Tensor:
@@ -70,11 +58,9 @@ class CachedDrafterDecoder(TransformerDecoderBase):
             raise ValueError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
         self.mask_idx = dictionary.index(MASK_SYMBOL)
 
-    def forward(self, prev_output_tokens, encoder_out=None, cuts=None, prefix_input=None,
-                scored=None, **unused):  # fmt: skip
+    def forward(self, prev_output_tokens, encoder_out=None, cuts=None, scored=None, **unused):
         """prev_output_tokens [B, P + M*k]: BOS + target prefix (right-padded), then M blocks of
-        k masks; cuts [B, M]; prefix_input [B, P, C]: added to the prefix entries' embeddings
-        (--verifier-states). Returns (logits [B*M, k, V] at the masks, extra); with ``scored``
+        k masks; cuts [B, M]. Returns (logits [B*M, k, V] at the masks, extra); with ``scored``
         [B*M, k] bool, logits [n, V] of the n masks it marks only."""
         if cuts is None:
             raise ValueError("the cached drafter's decoder needs the cut points of its mask blocks")
@@ -85,7 +71,7 @@ class CachedDrafterDecoder(TransformerDecoderBase):
         block_size = masks // blocks
         prefix_width = prev_output_tokens.size(1) - masks
         positions = cut_positions(prefix_width, cuts, block_size)
-        x = block_forward.embed(self, prev_output_tokens, positions, added=prefix_input)
+        x = block_forward.embed(self, prev_output_tokens, positions)
         bias = block_forward.additive_mask(cut_visibility(prefix_width, cuts, block_size), x.dtype)
 
         def self_attention(_layer: int):
@@ -127,35 +113,6 @@ class CachedDrafterModel(SpecDrafterModel):
     ``--task spec_translation --init-from-verifier VERIFIER.pt``; decoding uses the verifier's
     encoder output, so the drafter only runs with the verifier it was trained on."""
 
-    def __init__(self, args, encoder, decoder):
-        super().__init__(args, encoder, decoder)
-        # --verifier-states: the verifier's decoder (frozen) and the projection of its states
-        self.verifier_decoder = None
-        self.state_projection = None
-
-    @staticmethod
-    def add_args(parser):
-        SpecDrafterModel.add_args(parser)
-        parser.add_argument(
-            "--verifier-states",
-            action="store_true",
-            help="each prefix entry also reads the verifier's last-layer state before its "
-            "token (decoding takes the states the verifier computes anyway; training runs a "
-            "frozen copy of the verifier's decoder, started by --init-from-verifier)",
-        )
-        parser.add_argument(
-            "--verifier-decoder-layers",
-            type=int,
-            metavar="N",
-            help="set automatically by --init-from-verifier (for every cached drafter): the "
-            "verifier's decoder depth, for the copy --verifier-states trains with",
-        )
-
-    @classmethod
-    def adopt_verifier(cls, model_cfg, verifier_cfg, path) -> None:
-        super().adopt_verifier(model_cfg, verifier_cfg, path)
-        set_option(model_cfg, "verifier_decoder_layers", verifier_cfg.decoder_layers)
-
     @classmethod
     def build_model(cls, args, task):
         # The encoder must stay the verifier's: it gets embeddings of its own (frozen), and the
@@ -166,34 +123,9 @@ class CachedDrafterModel(SpecDrafterModel):
         # its training and decoding both run the block forward: refuse what that cannot compute
         # now, not after hours of training
         block_forward.check_supported(model.decoder, "the cached drafter")
-        if getattr(args, "verifier_states", False):
-            model.verifier_decoder = CachedDrafterModel.build_verifier_decoder(
-                args, model.decoder.dictionary
-            )
-            projection = torch.nn.Linear(model.verifier_decoder.output_embed_dim,
-                                         model.decoder.embed_dim, bias=False)  # fmt: skip
-            torch.nn.init.zeros_(projection.weight)  # it starts as a drafter without states
-            model.state_projection = projection
-        for frozen in filter(None, (model.encoder, model.verifier_decoder)):
-            for parameter in frozen.parameters():
-                parameter.requires_grad_(False)
+        for parameter in model.encoder.parameters():
+            parameter.requires_grad_(False)
         return model
-
-    @staticmethod
-    def build_verifier_decoder(args, dictionary) -> TransformerDecoderBase:
-        """The verifier's decoder (its depth; the drafter's options, which took the verifier's
-        layout from --init-from-verifier), with tied token embeddings of its own."""
-        layers = getattr(args, "verifier_decoder_layers", None)
-        if layers is None:
-            raise SpecNmtError(
-                "--verifier-states trains with the verifier's decoder: give "
-                "--init-from-verifier VERIFIER.pt"
-            )
-        verifier_args = copy.copy(args)
-        verifier_args.decoder_layers = layers
-        cfg = TransformerConfig.from_namespace(verifier_args)
-        embed = Embedding(len(dictionary), cfg.decoder.input_dim, dictionary.pad())
-        return TransformerDecoderBase(cfg, dictionary, embed)
 
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
@@ -202,87 +134,42 @@ class CachedDrafterModel(SpecDrafterModel):
     # the verifier's encoder (frozen here), embeddings and decoder layers 0 .. N-1
     VERIFIER_PARTS = ("encoder.", "decoder.")
 
-    def initialize_from_verifier(self, path, checkpoint):
-        """Also copy the verifier's decoder into ``verifier_decoder`` (--verifier-states)."""
-        super().initialize_from_verifier(path, checkpoint)
-        if self.verifier_decoder is None:
-            return
-        decoder = {f"verifier_{name}": value for name, value in checkpoint["model"].items()
-                   if name.startswith("decoder.")}  # fmt: skip
-        own = {f"verifier_decoder.{name}": value
-               for name, value in self.verifier_decoder.state_dict().items()}  # fmt: skip
-        missing = sorted(own.keys() - decoder.keys())
-        if missing:
-            name = missing[0][len("verifier_") :]
-            raise SpecNmtError(f"--init-from-verifier: {path} has no {name}")
-        # the copy ties its output projection to its embeddings and reads only its states: the
-        # embeddings must win, also over a verifier's untied output projection
-        embeddings = decoder["verifier_decoder.embed_tokens.weight"]
-        decoder["verifier_decoder.output_projection.weight"] = embeddings
-        self.copy_from_verifier(path, decoder, ("verifier_decoder.",))
-
     def train(self, mode: bool = True):
         super().train(mode)
         self.encoder.eval()  # frozen: no dropout, the verifier's output exactly
-        if self.verifier_decoder is not None:
-            self.verifier_decoder.eval()
         return self
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, cuts=None, scored=None,
                 **unused):  # fmt: skip
-        states = None
         with torch.no_grad():
             encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
-            if self.verifier_decoder is not None:
-                states = self.verifier_states(prev_output_tokens, encoder_out)
-        prefix_input = None if states is None else self.state_projection(states)
-        return self.decoder(prev_output_tokens, encoder_out, cuts=cuts, prefix_input=prefix_input,
-                            scored=scored)  # fmt: skip
-
-    def verifier_states(self, prev_output_tokens: Tensor, encoder_out) -> Tensor:
-        """[B, P, C] for the P prefix entries of a training input (BOS + target, before the
-        masks): the verifier's last-layer state before each entry's token, zeros for BOS."""
-        masks = int(prev_output_tokens[0].eq(self.decoder.mask_idx).sum())
-        prefix = prev_output_tokens[:, : prev_output_tokens.size(1) - masks]
-        states, _ = self.verifier_decoder.extract_features(prefix, encoder_out)
-        return torch.cat([states.new_zeros(states.size(0), 1, states.size(2)), states[:, :-1]], 1)
-
-    def verifier_copies(self):
-        """(part, module): the copies of the verifier's parts this drafter decodes with."""
-        copies = [("encoder", self.encoder)]
-        if self.verifier_decoder is not None:
-            copies.append(("decoder", self.verifier_decoder))
-        return copies
+        return self.decoder(prev_output_tokens, encoder_out, cuts=cuts, scored=scored)
 
     def check_verifier_matches(self, verifier_model) -> None:
-        """Refuse a verifier whose parts are not the copies this drafter was trained with (its
-        encoder, and with --verifier-states its decoder)."""
-        for part, ours in self.verifier_copies():
-            own, theirs = ours.state_dict(), getattr(verifier_model, part).state_dict()
-            # both ways: a tensor only one side has (a pre-norm encoder's final norm) differs too
-            for name in sorted(own.keys() | theirs.keys()):
-                value, other = own.get(name), theirs.get(name)
-                if value is None or other is None:
-                    side = "verifier" if value is None else "drafter"
-                    difference = f"only the {side} has {name}"
-                else:
-                    if name.endswith(("embed_tokens.weight", "output_projection.weight")):
-                        value = value[: other.size(0)]  # the drafter's row for [MASK] is extra
-                    if same_weights(value, other):
-                        continue
-                    difference = f"{name} differs"
-                raise SpecNmtError(
-                    f"the drafter was trained on another verifier's {part} "
-                    f"({difference}): it decodes only with the verifier given to "
-                    "--init-from-verifier"
-                )
+        """Refuse a verifier whose encoder is not the copy this drafter was trained with."""
+        own, theirs = self.encoder.state_dict(), verifier_model.encoder.state_dict()
+        # both ways: a tensor only one side has (a pre-norm encoder's final norm) differs too
+        for name in sorted(own.keys() | theirs.keys()):
+            value, other = own.get(name), theirs.get(name)
+            if value is None or other is None:
+                side = "verifier" if value is None else "drafter"
+                difference = f"only the {side} has {name}"
+            else:
+                if name.endswith(("embed_tokens.weight", "output_projection.weight")):
+                    value = value[: other.size(0)]  # the drafter's row for [MASK] is extra
+                if same_weights(value, other):
+                    continue
+                difference = f"{name} differs"
+            raise SpecNmtError(
+                f"the drafter was trained on another verifier's encoder ({difference}): it "
+                "decodes only with the verifier given to --init-from-verifier"
+            )
 
 
 @register_model_architecture("cached_drafter", "cached_drafter")
 def cached_drafter_architecture(args):
     """Defaults of every cached drafter: the verifier's encoder shape, a 2-layer decoder."""
     args.decoder_layers = getattr(args, "decoder_layers", 2)
-    args.verifier_states = getattr(args, "verifier_states", False)
     base_architecture(args)
 
 

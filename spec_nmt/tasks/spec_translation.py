@@ -32,7 +32,6 @@ from spec_nmt.checkpoint_loading import model_config
 from spec_nmt.decoding.drafters import (
     ArDrafter,
     CachedDrafter,
-    HeadsDrafter,
     NarDrafter,
     restrict_output,
 )
@@ -43,7 +42,6 @@ from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.settings import DEFAULTS, DecodingSettings
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import CachedDrafterModel
-from spec_nmt.models.heads_drafter import HeadsDrafterModel
 from spec_nmt.models.spec_drafter import (
     MASK_SYMBOL,
     SpecDrafterModel,
@@ -134,14 +132,6 @@ class SpecTranslationConfig(TranslationConfig):
             "drafter's sequences, width tree-budget // block-size over block-size levels; "
             "stochastic for --verify rsd (RSD-S), the most probable sequences for --verify "
             "top_beta (still lossless with --beta 1 --tau 0)"
-        },
-    )
-    adaptive_block: bool = field(
-        default=DEFAULTS.adaptive_block,
-        metadata={
-            "help": "chains of drafts (top_beta, sampling): each sentence's k starts at "
-            "--block-size, doubles after a fully accepted block (up to --block-size) and drops "
-            "to the accepted count + 1 after a rejection"
         },
     )
     max_draft_batch: Optional[int] = field(
@@ -349,7 +339,7 @@ class SpecTranslationTask(TranslationTask):
         --cuts-per-sentence random points (stratified: the j-th of m cuts falls in the j-th m-th
         of its length). Labels are one row per cut, the cuts of a sentence next to each other.
         A Spec-Drafter gets one decoder row per cut (its model runs the encoder once per
-        sentence and shares it between them); a cached or heads drafter gets BOS + target once
+        sentence and shares it between them); a cached drafter gets BOS + target once
         and one block of k masks per cut."""
         target = sample["target"]
         pad, eos = self.target_dictionary.pad(), self.target_dictionary.eos()
@@ -435,9 +425,9 @@ class SpecTranslationTask(TranslationTask):
         autoregressive = arch is not None and arch.startswith("transformer")
         if not (is_nar_drafter(state) or autoregressive):
             raise SpecNmtError(
-                f"--drafter-path {path} is neither a Spec-Drafter, a cached or heads drafter nor "
+                f"--drafter-path {path} is neither a Spec-Drafter, a cached drafter nor "
                 f"a Transformer checkpoint (arch {arch}); train one with --task spec_translation "
-                "--arch spec_drafter_small, cached_drafter_small or heads_drafter_small, or with "
+                "--arch spec_drafter_small or cached_drafter_small, or with "
                 "--task translation --arch transformer"
             )
         if autoregressive:
@@ -452,8 +442,6 @@ class SpecTranslationTask(TranslationTask):
         model = self._load_beside(path, state, verifier_model)
         if isinstance(model, CachedDrafterModel):
             model.check_verifier_matches(verifier_model)
-            # its copy of the verifier's decoder only trains: decoding reads the verifier's states
-            model.verifier_decoder = None
         weights = next(model.parameters())
         if vocabulary is not None:  # before int8, which then quantizes the smaller projection
             vocabulary = vocabulary.to(weights.device)
@@ -507,8 +495,6 @@ def drafter_adapter(model, dictionary, vocabulary: Optional[torch.Tensor] = None
     ``vocabulary`` when given, see read_draft_vocabulary), or any other fairseq translation model
     as an autoregressive drafter."""
     pad, eos = dictionary.pad(), dictionary.eos()
-    if isinstance(model, HeadsDrafterModel):
-        return HeadsDrafter(model, pad, eos, vocabulary)
     if isinstance(model, CachedDrafterModel):
         return CachedDrafter(model, pad, eos, vocabulary)
     if isinstance(model, SpecDrafterModel):
@@ -530,7 +516,7 @@ def read_draft_vocabulary(state, path: str, dictionary,
         return None
     problem = None
     if autoregressive:
-        problem = "only the NAR drafters (Spec-Drafter, cached, heads) draft over a vocabulary"
+        problem = "only the NAR drafters (Spec-Drafter, cached) draft over a vocabulary"
     elif not isinstance(vocabulary, torch.Tensor) or vocabulary.dim() != 1 or (
         vocabulary.is_floating_point() or vocabulary.numel() == 0
     ):
@@ -607,10 +593,9 @@ def _fit_width(tokens, width: int, pad: int):
 
 
 def is_nar_drafter(state) -> bool:
-    """Whether a checkpoint is a NAR drafter: a Spec-Drafter, a cached or a heads drafter."""
+    """Whether a checkpoint is a NAR drafter: a Spec-Drafter or a cached drafter."""
     arch = _checkpoint_arch(state)
-    return arch is not None and arch.startswith(("spec_drafter", "cached_drafter",
-                                                 "heads_drafter"))  # fmt: skip
+    return arch is not None and arch.startswith(("spec_drafter", "cached_drafter"))
 
 
 def _checkpoint_arch(state) -> Optional[str]:
