@@ -41,7 +41,7 @@ FIGSIZE, DPI = (6.4, 4.4), 100
 
 
 def load(spec: str, results: Path) -> dict:
-    """One benchmark result: FILE or FILE:KEY, FILE relative to --results unless it exists as given."""
+    """One benchmark result: FILE or FILE:KEY (FILE relative to --results unless it exists)."""
     name, _, key = spec.partition(":")
     path = Path(name) if Path(name).is_file() else results / name
     data = json.loads(path.read_text())
@@ -69,7 +69,8 @@ def speed_by_batch(result: dict, out: Path) -> Path:
     """× fairseq greedy against batch size, one line per system."""
     series = {}
     for row in result["rows"]:
-        series.setdefault(label(row["system"]), []).append((row["batch_size"], row["speedup_vs_greedy"]))
+        point = (row["batch_size"], row["speedup_vs_greedy"])
+        series.setdefault(label(row["system"]), []).append(point)
     order = [*SYSTEM_LABELS.values(), "CTranslate2 float32", "CTranslate2 int8"]
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     for name in sorted(series, key=lambda n: order.index(n) if n in order else len(order)):
@@ -138,11 +139,15 @@ def save(fig, path: Path) -> Path:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=ROOT / "results", help="folder of JSON results")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--results", type=Path, default=ROOT / "results",
+                        help="folder of JSON results")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "plots", help="folder for the PNG files")
     parser.add_argument("--speed", default="draft-batch.json:ceiling-k3",
-                        help="the ceiling result drawn by batch size: FILE[:KEY] (default: %(default)s)")
+                        help="the ceiling result drawn by batch size: FILE[:KEY] "
+                        "(default: %(default)s)")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     written = [speed_by_batch(load(args.speed, args.results), args.out),
