@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Draw the figures of BENCHMARKS.md from the JSON results of benchmarks/benchmark.py.
+
+    python benchmarks/plot.py [--results benchmarks/results] [--out benchmarks/plots]
+        [--speed draft-batch.json:ceiling-k3]
+
+Writes, under --out:
+- speed-by-batch.png: × fairseq greedy against batch size, one line per system, from a
+  `benchmark.py ceiling` result (--speed FILE[:KEY]; KEY picks one run in a file that holds
+  several, as draft-batch.json does).
+- acceptance-by-position.png: acceptance by draft position, one line per system, from every
+  result under --results whose rows carry a list under one of POSITION_KEYS (entry i: draft
+  position i + 1). Skipped, with a note, while no result has one.
+
+Needs matplotlib (requirements-test.txt). Only reads the JSON files; never runs a model.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+# benchmark.py's system names -> the names BENCHMARKS.md uses, in drawing order
+SYSTEM_LABELS = {
+    "spec lossless, oracle drafter": "oracle drafter (the loop's ceiling)",
+    "spec-nmt defaults": "spec-nmt defaults",
+    "spec-nmt greedy (no drafts)": "drafter-less loop (k = 0)",
+    "spec lossless, real drafter": "drafting in every batch",
+    "fairseq greedy": "fairseq greedy",
+}
+CTRANSLATE2 = "CTranslate2"
+# row keys that hold acceptance by draft position (a list, position 1 first)
+POSITION_KEYS = ("acceptance_by_position", "accepted_by_position")
+FIGSIZE, DPI = (6.4, 4.4), 100
+
+
+def load(spec: str, results: Path) -> dict:
+    """One benchmark result: FILE or FILE:KEY (FILE relative to --results unless it exists)."""
+    name, _, key = spec.partition(":")
+    path = Path(name) if Path(name).is_file() else results / name
+    data = json.loads(path.read_text())
+    if key:
+        data = data[key]
+    if "rows" not in data:
+        keys = ", ".join(k for k, v in data.items() if isinstance(v, dict) and "rows" in v)
+        sys.exit(f"plot.py: {spec} holds several results; name one as FILE:KEY ({keys})")
+    return data
+
+
+def label(system: str) -> str:
+    if system.startswith(CTRANSLATE2):
+        return "CTranslate2 " + system.rsplit(" ", 1)[-1]  # "… greedy int8" -> "CTranslate2 int8"
+    return SYSTEM_LABELS.get(system, system)
+
+
+def machine(result: dict) -> str:
+    env = result.get("environment", {})
+    threads = env.get("torch_threads")
+    return f"{env.get('cpu', '?')}, {threads} threads" if threads else env.get("cpu", "?")
+
+
+def speed_by_batch(result: dict, out: Path) -> Path:
+    """× fairseq greedy against batch size, one line per system."""
+    series = {}
+    for row in result["rows"]:
+        point = (row["batch_size"], row["speedup_vs_greedy"])
+        series.setdefault(label(row["system"]), []).append(point)
+    order = [*SYSTEM_LABELS.values(), "CTranslate2 float32", "CTranslate2 int8"]
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    for name in sorted(series, key=lambda n: order.index(n) if n in order else len(order)):
+        points = sorted(series[name])
+        style = "--" if name.startswith(CTRANSLATE2) else "-"
+        colour = "grey" if name == "fairseq greedy" else None
+        ax.plot(*zip(*points), style, color=colour, marker="o", markersize=4, label=name)
+    batches = sorted({row["batch_size"] for row in result["rows"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size (sentences)")
+    ax.set_ylabel("× fairseq greedy (higher is faster)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    blocks = {row["block"] for row in result["rows"] if "block" in row}
+    k = f", k = {blocks.pop()}" if len(blocks) == 1 else ""
+    ax.set_title(f"Lossless decoding{k}, {result['lines']} lines, {machine(result)}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
+    return save(fig, out / "speed-by-batch.png")
+
+
+def runs(data):
+    """Every benchmark result (a dict with rows) in a JSON file, however the file nests them."""
+    if isinstance(data, dict) and "rows" in data:
+        yield data
+    elif isinstance(data, (dict, list)):
+        for value in data.values() if isinstance(data, dict) else data:
+            yield from runs(value)
+
+
+def position_rows(results: Path):
+    """(system, [acceptance at position 1, 2, …], result) for every row that has them."""
+    for path in sorted(results.glob("*.json")):
+        for result in runs(json.loads(path.read_text())):
+            for row in result["rows"]:
+                for key in POSITION_KEYS:
+                    if isinstance(row.get(key), list):
+                        yield f"{row.get('system', path.stem)} ({path.stem})", row[key], result
+
+
+def acceptance_by_position(results: Path, out: Path):
+    rows = list(position_rows(results))
+    if not rows:
+        print(f"plot.py: no result under {results} has {' or '.join(POSITION_KEYS)}; "
+              "acceptance-by-position.png not drawn", file=sys.stderr)  # fmt: skip
+        return None
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    for name, values, _ in rows:
+        ax.plot(range(1, len(values) + 1), values, marker="o", markersize=4, label=name)
+    longest = max(len(values) for _, values, _ in rows)
+    ax.set_xticks(range(1, longest + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"Acceptance by draft position, {machine(rows[0][2])}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
+    return save(fig, out / "acceptance-by-position.png")
+
+
+def save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Software": None})  # no version stamp: reruns give the same file
+    plt.close(fig)
+    return path
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--results", type=Path, default=ROOT / "results",
+                        help="folder of JSON results")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=ROOT / "plots", help="folder for the PNG files")
+    parser.add_argument("--speed", default="draft-batch.json:ceiling-k3",
+                        help="the ceiling result drawn by batch size: FILE[:KEY] "
+                        "(default: %(default)s)")  # fmt: skip
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    written = [speed_by_batch(load(args.speed, args.results), args.out),
+               acceptance_by_position(args.results, args.out)]  # fmt: skip
+    for path in filter(None, written):
+        print(f"{path} ({path.stat().st_size // 1024} KB)")
+
+
+if __name__ == "__main__":
+    main()
