@@ -13,11 +13,11 @@ STAMP := $(VENV)/.installed
 MODEL_DIR ?= data/models/bench-de-en
 SPLIT ?= 1
 # BLOCK_SIZE, BETA, TAU, MAX_DRAFT_BATCH: decoding settings, passed on when set (defaults:
-# spec_nmt/decoding/settings.py)
+# spec_nmt/settings.py)
 SETTINGS = $(if $(BLOCK_SIZE),--block-size $(BLOCK_SIZE)) $(if $(BETA),--beta $(BETA)) $(if $(TAU),--tau $(TAU)) \
   $(if $(MAX_DRAFT_BATCH),--max-draft-batch $(MAX_DRAFT_BATCH))
 # fairseq-interactive gets the same output length limit as the API (fairseq's own is 0/200)
-LENGTH_FLAGS = from spec_nmt.decoding.settings import DEFAULTS; print(*DEFAULTS.fairseq_flags(['max_len_a', 'max_len_b']))
+LENGTH_FLAGS = from spec_nmt.settings import DEFAULTS; print(*DEFAULTS.fairseq_flags(['max_len_a', 'max_len_b']))
 
 # spec_nmt_torch_load writes its .pth into site-packages, which lets stock fairseq tools load
 # checkpoints with torch >= 2.6 (an editable install cannot carry that file itself).

@@ -33,7 +33,7 @@ setup(
     packages=find_packages(include=["spec_nmt", "spec_nmt.*"]),
     py_modules=["spec_nmt_torch_load"],
     cmdclass={"build_py": BuildWithPth},
-    entry_points={"console_scripts": ["spec-nmt-translate = spec_nmt.translate_cli:main"]},
+    entry_points={"console_scripts": ["spec-nmt-translate = spec_nmt.cli:main"]},
     python_requires=">=3.9",
     install_requires=[
         "torch>=2.0",

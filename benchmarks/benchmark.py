@@ -65,17 +65,14 @@ from fairseq.search import Sampling
 from fairseq.sequence_generator import SequenceGenerator
 
 import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
-from spec_nmt.decoding.drafters import DraftPlan, NoDrafter
-from spec_nmt.decoding.generator import DecodingStats, SpeculativeGenerator
+from spec_nmt.settings import DraftPlan
+from spec_nmt.decoding.drafter import NoDrafter
+from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.tree import chain
-from spec_nmt.decoding.settings import DEFAULTS, REFERENCE_TOP_BETA
-from spec_nmt.decoding.verifier import TransformerVerifier
+from spec_nmt.settings import DEFAULTS, REFERENCE_TOP_BETA
+from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.tasks.spec_translation import (
-    DEFAULT_DRAFTER_PRECISION,
-    DRAFTER_PRECISION_NAMES,
-    drafts_in_int8,
-)
+from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES, drafts_in_int8
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 # the same output length limit for every system: the decoding default
@@ -471,9 +468,9 @@ def block_cost(args):
     the scorer compiled by torch.compile (inductor) alternate with the eager ones."""
     pair = load_pair(args)
     tokens = pair.encode(read_lines(args.src, args.lines))
-    scorers = {"eager": TransformerVerifier(pair.verifier)}
+    scorers = {"eager": BlockScorer(pair.verifier)}
     if args.compile:
-        compiled = TransformerVerifier(pair.verifier)
+        compiled = BlockScorer(pair.verifier)
         # dynamic: block widths, cache lengths and batch sizes change from call to call
         compiled.score_logits = torch.compile(compiled.score_logits, dynamic=True)
         scorers["compiled"] = compiled

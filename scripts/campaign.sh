@@ -141,7 +141,7 @@ main() {
 
   # validation BLEU: greedy, with the decoding settings' length limits
   local bleu_args
-  bleu_args=$(python -c 'import json; from spec_nmt.decoding.settings import DEFAULTS
+  bleu_args=$(python -c 'import json; from spec_nmt.settings import DEFAULTS
 print(json.dumps({"beam": 1, "max_len_a": DEFAULTS.max_len_a, "max_len_b": DEFAULTS.max_len_b}))')
   train verifier -- "$SCRIPTS/train_verifier.sh" "$DATA_BIN" "$WORK/verifier" small \
     "${epochs[@]}" --eval-bleu --eval-bleu-args "$bleu_args" --eval-bleu-remove-bpe sentencepiece
@@ -171,7 +171,7 @@ print(json.dumps({"beam": 1, "max_len_a": DEFAULTS.max_len_a, "max_len_b": DEFAU
   # acceptance on the first 1,000 validation sentences: a validation decodes them once per
   # rule (lossless, the reference top-beta/tau), a third of what the whole newstest2013 would cost
   local top_beta=()
-  read -ra top_beta < <(python -c 'from spec_nmt.decoding.settings import REFERENCE_TOP_BETA as s
+  read -ra top_beta < <(python -c 'from spec_nmt.settings import REFERENCE_TOP_BETA as s
 print("--beta", s.beta, "--tau", s.tau)') || true
   (( ${#top_beta[@]} == 4 )) || { log "cannot read the reference top-beta/tau setting"; exit 1; }
   local acceptance=(--init-from-verifier "$verifier" --eval-acceptance-verifier "$verifier"

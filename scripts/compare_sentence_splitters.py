@@ -14,7 +14,7 @@ full stop (wrong after German ordinals, "am 6. Juni"; right after a year that en
 import argparse
 import re
 
-from spec_nmt.sentences import split_sentences
+from spec_nmt.text import split_sentences
 
 GROUP = 3
 

@@ -28,8 +28,8 @@ from fairseq.data import Dictionary, data_utils
 # (importing spec_nmt also lets torch.load read fairseq checkpoints)
 from spec_nmt.checkpoint_loading import map_tied, save_checkpoint
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.models.spec_drafter import MASK_SYMBOL
-from spec_nmt.tasks.spec_translation import DRAFT_VOCABULARY_KEY, is_nar_drafter
+from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
+from spec_nmt.loading import DRAFT_VOCABULARY_KEY, is_nar_drafter
 
 # Symbols a drafter drafts over by default: with the 4,000 most frequent target symbols of
 # bench-de-en's training set (of 8,008) the bundled cached drafter keeps 99.5 % of its accepted

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from spec_nmt.decoding.rules import RULES
-from spec_nmt.decoding.settings import DEFAULTS
-from spec_nmt.tasks.spec_translation import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
+from spec_nmt.settings import DEFAULTS
+from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
 from spec_nmt.translator import SpecTranslator
 
 STYLE = """

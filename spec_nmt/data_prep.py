@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from spec_nmt.decoding.settings import DEFAULTS
+from spec_nmt.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ batches, and their translations are joined into one output line (split_sentences
 line as it is). A model directory holds verifier.pt, drafter.pt, dict.{src,tgt}.txt and spm.model
 (scripts/export_model.py writes one). Sentencepiece is applied to the input and removed from the
 output; decoding settings are keyword arguments named as in ``DecodingSettings``
-(spec_nmt/decoding/settings.py, which holds their defaults): block_size, beta, tau, verify,
+(spec_nmt/settings.py, which holds their defaults): block_size, beta, tau, verify,
 tree_branching, tree_budget, temperature, sampling_topk, sampling_topp, seed, max_len_a, ...
 """
 
@@ -25,19 +25,16 @@ import sentencepiece
 import torch
 from fairseq import checkpoint_utils
 
-from spec_nmt.decoding.generator import SpeculativeGenerator
+from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.rules import RULES
-from spec_nmt.decoding.settings import DEFAULTS, DecodingSettings
-from spec_nmt.decoding.verifier import TransformerVerifier
+from spec_nmt.settings import DEFAULTS, DecodingSettings
+from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.models.spec_drafter import MASK_SYMBOL
-from spec_nmt.sentences import join_sentences, split_sentences
-from spec_nmt.tasks.spec_translation import (
-    DEFAULT_DRAFTER_PRECISION,
-    SpecTranslationConfig,
-    SpecTranslationTask,
-    cut_to_limit,
-)
+from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
+from spec_nmt.text import join_sentences, split_sentences
+from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION
+from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
+from spec_nmt.text import cut_to_limit
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +241,7 @@ class SpecTranslator:
 def _load_verifier(path: Path, task: SpecTranslationTask):
     state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
     (verifier,), _ = checkpoint_utils.load_model_ensemble([str(path)], task=task, state=state)
-    TransformerVerifier(verifier, role=str(path))  # refuses what cannot verify, naming the file
+    BlockScorer(verifier, role=str(path))  # refuses what cannot verify, naming the file
     return verifier
 
 

@@ -19,9 +19,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # inherit this) would only contend for the other worker's core.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402  (after the thread setting)
-
-from spec_nmt.errors import SpecNmtError
 from spec_nmt.files import written_whole
 from tests.toy_corpus import write_corpus
 

@@ -9,9 +9,9 @@ from torch import nn
 
 from spec_nmt.decoding import linears
 from spec_nmt.decoding.linears import PackedLinears, packing_available
-from spec_nmt.decoding.verifier import TransformerVerifier
-from spec_nmt.decoding.settings import DEFAULTS
-from spec_nmt.models import block_forward
+from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.settings import DEFAULTS
+from spec_nmt.decoding import block_forward
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BUNDLED_MODEL_DIR
 from tests.test_verifier_cache import DECODER_VARIANTS, source_batch, tiny_transformer
@@ -145,7 +145,7 @@ def test_without_onednn_the_verifier_encodes_with_fairseqs_own_forward(monkeypat
     for bit fairseq's output."""
     monkeypatch.setattr(linears, "packing_available", lambda: False)
     model, dictionary = tiny_transformer()
-    verifier = TransformerVerifier(model)
+    verifier = BlockScorer(model)
     assert not verifier.project.weights
     net_input = source_batch(dictionary, 3)
     ours = verifier.encode(net_input)["encoder_out"][0]

@@ -11,10 +11,10 @@ from fairseq import checkpoint_utils
 from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.decoding import tree
-from spec_nmt.decoding.generator import SpeculativeGenerator
-from spec_nmt.decoding.settings import DecodingSettings
-from spec_nmt.decoding.verifier import TransformerVerifier
-from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
+from spec_nmt.decoding.loop import SpeculativeGenerator
+from spec_nmt.settings import DecodingSettings
+from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq
 
 MAX_LEN_B = 40
@@ -207,7 +207,7 @@ def test_oracle_drafter_gets_whole_blocks_accepted(in_process):
             greedy, batch_first=True, padding_value=tgt_dict.eos()
         )
         speculative = SpeculativeGenerator(
-            TransformerVerifier(models[0]),
+            BlockScorer(models[0]),
             OracleDrafter(greedy_padded, tgt_dict.eos()),
             tgt_dict,
             DecodingSettings(block_size=BLOCK_SIZE, max_draft_batch=0, max_len_a=0,

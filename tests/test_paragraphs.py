@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from spec_nmt.sentences import join_sentences, split_sentences
+from spec_nmt.text import join_sentences, split_sentences
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BIN, BUNDLED_MODEL_DIR, REPO
 

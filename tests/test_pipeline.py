@@ -18,7 +18,7 @@ from fairseq import checkpoint_utils
 from fairseq.data import data_utils
 
 from spec_nmt.data_prep import check_raw_dir
-from spec_nmt.decoding.settings import DEFAULTS
+from spec_nmt.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 from tests.conftest import BIN, REPO, TINY_TRANSFORMER, built_once, fairseq, script_module
 from tests.toy_corpus import make_pairs, write_corpus

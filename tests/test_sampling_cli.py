@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from spec_nmt.decoding.rules import RULES as RULE_TABLE
-from spec_nmt.decoding.settings import DecodingSettings
+from spec_nmt.settings import DecodingSettings
 from tests.conftest import BLOCK_SIZE, OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, preprocess
 from tests.test_errors import assert_one_line_error
 from tests.test_lossless import hypotheses

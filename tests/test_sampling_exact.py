@@ -20,13 +20,14 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.decoding import rules as rules_module
 from spec_nmt.decoding import tree as tree_module
-from spec_nmt.decoding.drafters import ArDrafter, NarDrafter, restrict_output
-from spec_nmt.decoding.settings import DecodingSettings
-from spec_nmt.decoding.generator import SpeculativeGenerator
-from spec_nmt.decoding.verifier import TransformerVerifier
-from spec_nmt.decoding.verify import sampling_probs
-from spec_nmt.models.spec_drafter import SpecDrafterModel, spec_drafter_architecture
-from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
+from spec_nmt.drafters.ar_drafter import ArDrafter
+from spec_nmt.drafters.spec_drafter import NarDrafter, restrict_output
+from spec_nmt.settings import DecodingSettings
+from spec_nmt.decoding.loop import SpeculativeGenerator
+from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.decoding.rules import sampling_probs
+from spec_nmt.drafters.spec_drafter import SpecDrafterModel, spec_drafter_architecture
+from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from tests.stats import chi_square_pvalue
 
 SAMPLES = 20000
@@ -128,7 +129,7 @@ def speculative(models, drafter, rule, seed=0, topk=-1):
                                 sampling_topk=topk, seed=seed, max_len_a=0, max_len_b=2,
                                 max_draft_batch=0)  # fmt: skip
     return SpeculativeGenerator(
-        TransformerVerifier(models["verifier"], temperature=TEMPERATURE), models[drafter],
+        BlockScorer(models["verifier"], temperature=TEMPERATURE), models[drafter],
         models["dictionary"], settings,
     )  # fmt: skip
 
@@ -149,7 +150,7 @@ def test_sampling_without_drafts_is_exact(models):
     settings = DecodingSettings(verify="sampling", block_size=0, temperature=TEMPERATURE,
                                 max_len_a=0, max_len_b=2)  # fmt: skip
     generator = SpeculativeGenerator(
-        TransformerVerifier(models["verifier"], temperature=TEMPERATURE), models["nar"],
+        BlockScorer(models["verifier"], temperature=TEMPERATURE), models["nar"],
         models["dictionary"], settings,
     )  # fmt: skip
     counts = first_two_counts(lambda s: generator.generate(None, s), models["dictionary"])

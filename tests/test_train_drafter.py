@@ -13,8 +13,9 @@ from omegaconf import OmegaConf
 
 from spec_nmt.criterions.spec_drafter_loss import SpecDrafterLoss
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.models.spec_drafter import MASK_SYMBOL, adopt_verifier_layout
-from spec_nmt.tasks.spec_translation import SpecTranslationConfig, SpecTranslationTask
+from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
+from spec_nmt.drafters.verifier_layout import adopt_verifier_layout
+from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import BLOCK_SIZE, train_drafter, train_losses
 
 

@@ -7,8 +7,9 @@ from fairseq.search import Sampling
 
 from spec_nmt.decoding import tree as trees
 from spec_nmt.decoding import verify
-from spec_nmt.decoding.drafters import DraftPlan, grow_tree
-from spec_nmt.decoding.verify import residual, sampling_probs, speculative_sample
+from spec_nmt.settings import DraftPlan
+from spec_nmt.decoding.drafter import grow_tree
+from spec_nmt.decoding.rules import residual, sampling_probs, speculative_sample
 from tests.stats import chi_square_pvalue
 
 EOS = 2

@@ -9,7 +9,7 @@ from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerModel, base_architecture
 
 from spec_nmt.decoding.tree import block_visibility
-from spec_nmt.decoding.verifier import TransformerVerifier
+from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.errors import SpecNmtError
 
 VOCAB = 24
@@ -116,7 +116,7 @@ def test_blocks_and_rollbacks_match_full_recomputation(variant):
     model, dictionary = tiny_transformer(**options)
     built = {name for name, present in decoder_shape(model).items() if present}
     assert built == set(options) - {"encoder_normalize_before", "share_all_embeddings"}
-    verifier = TransformerVerifier(model)
+    verifier = BlockScorer(model)
     net_input = source_batch(dictionary, 3)
     state = verifier.start(net_input)
     kept = torch.full((3, 1), dictionary.eos())  # what each row has fed so far, incl. the block
@@ -145,7 +145,7 @@ def test_blocks_and_rollbacks_match_full_recomputation(variant):
 @torch.no_grad()
 def test_dropping_rows_keeps_the_others_exact():
     model, dictionary = tiny_transformer()
-    verifier = TransformerVerifier(model)
+    verifier = BlockScorer(model)
     net_input = source_batch(dictionary, 3)
     state = verifier.start(net_input)
     block = torch.cat([torch.full((3, 1), dictionary.eos()), random_tokens(dictionary, 3, 3)], 1)
@@ -182,7 +182,7 @@ def test_cache_holds_exactly_the_committed_prefix_after_random_accepts_and_rejec
     slots equal the keys/values fairseq's incremental decoder computes for that row's committed
     inputs, and the encoder attention's keys/values never change."""
     model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
-    verifier = TransformerVerifier(model)
+    verifier = BlockScorer(model)
     net_input = source_batch(dictionary, 3)
     state = verifier.start(net_input)
     encoder_keys = [k.clone() for k in state.encoder_keys]
@@ -241,7 +241,7 @@ def prefixed_state(verifier, dictionary, net_input, keep):
 @torch.no_grad()
 def test_tree_scores_equal_each_path_decoded_alone(learned_positions):
     model, dictionary = tiny_transformer(learned_positions)
-    verifier = TransformerVerifier(model)
+    verifier = BlockScorer(model)
     net_input = source_batch(dictionary, 2)
     state, prefixes = prefixed_state(verifier, dictionary, net_input, [4, 2])
     parents = torch.tensor([TREE_PARENTS, TREE_PARENTS])
@@ -265,7 +265,7 @@ def test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation(com
     seeing its ancestors among the uncommitted entries; then keep one path. Rows with equal
     committed prefixes take the scorer's shared-slot path."""
     model, dictionary = tiny_transformer(seed=3)
-    verifier = TransformerVerifier(model)
+    verifier = BlockScorer(model)
     net_input = source_batch(dictionary, 2)
     state, prefixes = prefixed_state(verifier, dictionary, net_input, committed)
     parents = torch.tensor([TREE_PARENTS, TREE_PARENTS])
@@ -302,4 +302,4 @@ def test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation(com
 def test_decoders_that_block_scoring_cannot_reproduce_are_refused_with_one_line(options):
     model, _ = tiny_transformer(**options)
     with pytest.raises(SpecNmtError, match="uses --cross-self-attention, an adaptive softmax"):
-        TransformerVerifier(model)
+        BlockScorer(model)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from spec_nmt.decoding.verify import accept_top_beta, check_top_beta_params
+from spec_nmt.decoding.rules import accept_top_beta, check_top_beta_params
 from spec_nmt.errors import SpecNmtError
 
 EOS = 2

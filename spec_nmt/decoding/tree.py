@@ -18,8 +18,6 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.verify import before_any_eos, residual, sample_from
-
 
 class DraftTree(NamedTuple):
     """Read-only: a chain's parents and depths are shared by every chain of its length. The
@@ -52,6 +50,13 @@ def _chain_shape(k: int, device: torch.device) -> Tuple[Tensor, Tensor]:
     one)."""
     depths = torch.arange(1, k + 1, device=device)
     return (depths - 2).unsqueeze(0), depths
+
+
+def before_any_eos(tokens: Tensor, eos: int) -> Tensor:
+    """[B, k] bool: whether no EOS comes before each position of ``tokens`` [B, k] (the position
+    itself may hold one)."""
+    is_eos = tokens.eq(eos)
+    return is_eos.cumsum(dim=1) <= is_eos
 
 
 def greedy_chain(tokens: Tensor, eos: int) -> DraftTree:
@@ -212,158 +217,3 @@ def _log1mexp(x: Tensor) -> Tensor:
     return torch.where(
         x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x))
     )
-
-
-def children_table(tree: DraftTree) -> Tensor:
-    """[B, N+1, C]: the valid children of every block entry in draw order, padded with -1."""
-    batch, n = tree.parents.shape
-    parent_entry = torch.where(tree.valid, tree.parents + 1, torch.full_like(tree.parents, -1))
-    same_parent = parent_entry.unsqueeze(2).eq(parent_entry.unsqueeze(1))  # [B, N, N]
-    earlier = torch.ones(n, n, dtype=torch.bool, device=tree.tokens.device).tril(-1)
-    rank = (same_parent & earlier).sum(dim=2)  # sibling rank of each node
-    width = int(rank.max()) + 1 if n else 1
-    table = torch.full((batch, n + 2, width), -1, dtype=torch.long, device=tree.tokens.device)
-    # invalid nodes go to a scratch entry (the last) that is dropped below
-    target = torch.where(parent_entry >= 0, parent_entry, torch.full_like(parent_entry, n + 1))
-    nodes = torch.arange(n, device=tree.tokens.device).expand(batch, n)
-    table.view(batch, -1).scatter_(1, target * width + rank, nodes)
-    return table[:, : n + 1]
-
-
-def recursive_rejection(
-    tree: DraftTree,
-    verifier_probs: Tensor,  # [B, N+1, V] q at every block entry
-    eos: int,
-    generator: Optional[torch.Generator] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Recursive rejection sampling down a draft tree (Jeon et al., 2024).
-
-    At the current entry, try its children x_1, x_2, ... in draw order: accept x_i with
-    probability min(1, q_i(x_i) / p_i(x_i)), where p_1 is the drafter distribution the siblings
-    were drawn from and p_{i+1} is p_i without x_i, renormalised (sampling without replacement);
-    after each rejection q_{i+1} = norm(max(0, q_i - p_i)). An accepted child becomes the current
-    entry; when all children are rejected (or there are none), the next token is sampled from
-    the last residual (a *correction*, or a *bonus* token from q at a leaf). The output is
-    distributed exactly as sampling from q. An accepted EOS ends the sentence.
-
-    Returns (path [B, depth] accepted node indices padded with -1, n_accepted [B],
-    next_tokens [B]; meaningless where the path ends with EOS).
-    """
-    batch, n = tree.tokens.shape
-    device = tree.tokens.device
-    max_depth = int(tree.depths.max()) if n else 0
-    children = children_table(tree)
-    rows = torch.arange(batch, device=device)
-    current = torch.zeros(batch, dtype=torch.long, device=device)
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    path = torch.full((batch, max_depth), -1, dtype=torch.long, device=device)
-    n_accepted = torch.zeros(batch, dtype=torch.long, device=device)
-    if not n:  # no drafts: the verifier's own sample
-        return path, n_accepted, sample_from(verifier_probs[:, 0], generator)
-    next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
-    for depth in range(max_depth + 1):
-        target = verifier_probs[rows, current].float()
-        draft = tree.draft_probs[rows, current].float()
-        chosen = torch.full_like(current, -1)
-        for sibling in range(children.size(2)):
-            child = children[rows, current, sibling]
-            trying = active & chosen.lt(0) & child.ge(0)
-            if not trying.any():
-                break
-            token = tree.tokens[rows, child.clamp(min=0)].unsqueeze(1)
-            u = torch.rand(batch, generator=generator, device=device)
-            p, q = draft.gather(1, token).squeeze(1), target.gather(1, token).squeeze(1)
-            accept = trying & (u * p < q)
-            chosen = torch.where(accept, child, chosen)
-            reject = (trying & ~accept).unsqueeze(1)
-            target = torch.where(reject, residual(target, draft), target)
-            without = draft.scatter(1, token, 0.0)
-            without = without / without.sum(dim=1, keepdim=True).clamp(min=1e-30)
-            draft = torch.where(reject, without, draft)
-        stops = active & chosen.lt(0)
-        if stops.any():
-            next_tokens = torch.where(stops, sample_from(target, generator), next_tokens)
-        goes = active & chosen.ge(0)
-        if depth < path.size(1):
-            path[:, depth] = torch.where(goes, chosen, path[:, depth])
-        n_accepted += goes.long()
-        ended = goes & tree.tokens[rows, chosen.clamp(min=0)].eq(eos)
-        active = goes & ~ended
-        current = torch.where(goes, chosen + 1, current)
-    return path, n_accepted, next_tokens
-
-
-def accept_top_beta_tree(
-    tree: DraftTree,
-    verifier_scores: Tensor,  # [B, N+1, V] log-probs or logits at every block entry
-    beta: int,
-    tau: float,
-    eos: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """The top-beta/tau rule (verify.accept_top_beta) down a tree of greedy drafts.
-
-    From the root, a child passes when its token is among the verifier's ``beta`` best at its
-    parent's entry and within ``tau`` of the best log-prob there; of the passing children the one
-    the verifier scores highest (the first drawn among equals) is accepted and becomes the
-    current entry. Where no child passes, the verifier's best token at the current entry
-    follows. With ``beta=1, tau=0`` only the child holding the verifier's own pick passes
-    (siblings hold distinct tokens), so the output is exactly the verifier's greedy decoding, as
-    with a chain. An accepted EOS ends the sentence.
-
-    Every node is judged at once and the path found by propagating acceptance down the levels
-    (no walk from entry to entry: a few tensor operations per level).
-
-    Returns (path [B, depth] accepted node indices padded with -1, n_accepted [B],
-    next_tokens [B]; meaningless where the path ends with EOS).
-    """
-    batch, n = tree.tokens.shape
-    device = tree.tokens.device
-    # the same call picks the best token and the candidates, so ties resolve alike (see
-    # accept_top_beta); max is the fast form of topk(1)
-    if beta == 1:
-        best_tokens = verifier_scores.max(dim=-1).indices
-    else:
-        top_scores, top_tokens = verifier_scores.topk(beta, dim=-1)  # [B, N+1, beta]
-        best_scores, best_tokens = top_scores[:, :, 0], top_tokens[:, :, 0]
-    max_depth = int(tree.depths.max()) if n else 0
-    if not n:
-        empty = tree.tokens.new_zeros(batch, 0)
-        return empty, empty.new_zeros(batch), best_tokens[:, 0]
-    parent_entry = (tree.parents + 1).clamp(min=0)  # [B, N]: the entry each node is judged at
-    nodes = torch.arange(n, device=device).expand(batch, n)
-    unchosen = torch.full_like(nodes, n)
-    if beta == 1:
-        # only the verifier's best token passes (its score is the best: tau holds), and
-        # siblings hold distinct tokens, so it is the one child accepted
-        chosen = best_tokens.gather(1, parent_entry).eq(tree.tokens) & tree.valid
-    else:
-        node_scores = verifier_scores[
-            torch.arange(batch, device=device).unsqueeze(1), parent_entry, tree.tokens
-        ]
-        in_top_beta = top_tokens.gather(
-            1, parent_entry.unsqueeze(2).expand(-1, -1, top_tokens.size(2))
-        ).eq(tree.tokens.unsqueeze(2)).any(dim=2)
-        passes = (in_top_beta & (node_scores >= best_scores.gather(1, parent_entry) - tau)
-                  & tree.valid)  # fmt: skip
-        # each entry's accepted child: its best passing child, the first drawn among equals
-        ranking = node_scores.masked_fill(~passes, float("-inf"))
-        entry_best = ranking.new_full((batch, n + 1), float("-inf")).scatter_reduce(
-            1, parent_entry, ranking, "amax"
-        )
-        chosen = passes & ranking.eq(entry_best.gather(1, parent_entry))
-        first = unchosen.new_full((batch, n + 1), n).scatter_reduce(
-            1, parent_entry, torch.where(chosen, nodes, unchosen), "amin"
-        )
-        chosen &= nodes.eq(first.gather(1, parent_entry))
-    # on the path: chosen below an entry on the path (the root is; an accepted EOS ends it)
-    on_path = chosen
-    root = torch.ones(batch, 1, dtype=torch.bool, device=device)
-    not_eos = tree.tokens.ne(eos)
-    for _ in range(max_depth - 1):
-        extends = torch.cat([root, on_path & not_eos], dim=1)
-        on_path = chosen & extends.gather(1, parent_entry)
-    n_accepted = on_path.sum(dim=1)
-    path = torch.where(on_path, nodes, unchosen).sort(dim=1).values[:, :max_depth]
-    path = path.masked_fill(path.eq(n), -1)  # nodes are stored level by level: depth order
-    last_entry = torch.where(on_path, nodes + 1, torch.zeros_like(nodes)).max(dim=1).values
-    return path, n_accepted, best_tokens.gather(1, last_entry.unsqueeze(1)).squeeze(1)

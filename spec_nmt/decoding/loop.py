@@ -22,8 +22,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.drafters import Drafter, DraftPlan, NoDrafter
-from spec_nmt.decoding.settings import DecodingSettings
+from spec_nmt.decoding.drafter import Drafter, NoDrafter
+from spec_nmt.settings import DraftPlan
+from spec_nmt.settings import DecodingSettings
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility
 from spec_nmt.errors import SpecNmtError

@@ -21,13 +21,10 @@ from typing import Iterator, List, TextIO
 
 from tqdm import tqdm
 
-from spec_nmt.decoding.settings import DEFAULTS
+from spec_nmt.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.tasks.spec_translation import (
-    DEFAULT_DRAFTER_PRECISION,
-    DRAFTER_PRECISION_NAMES,
-    tolerant_stdin,
-)
+from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
+from spec_nmt.text import tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 PROGRESS_MIN_LINES = 300

@@ -6,40 +6,95 @@ shape happen here, once.
 
 import dataclasses
 import functools
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
 
-from spec_nmt.decoding.drafters import DraftPlan
 from spec_nmt.decoding.rules import RULES
-from spec_nmt.decoding.verify import check_sampling_params, check_top_beta_params
+from spec_nmt.decoding.rules import check_sampling_params, check_top_beta_params
 from spec_nmt.errors import SpecNmtError
 
 
 @dataclass(frozen=True)
+class DraftPlan:
+    """The shape of the drafts. ``branching`` gives the children per node at each depth
+    (``(1,) * k`` is a chain); ``beam_width`` > 0 instead grows ``depth`` levels of beam search
+    (stochastic when sampling). ``sample`` draws tokens from p (without replacement among
+    siblings); otherwise nodes hold the drafter's best tokens (or most probable sequences)."""
+
+    branching: Tuple[int, ...] = ()
+    beam_width: int = 0
+    beam_depth: int = 0
+    sample: bool = False
+
+    @property
+    def depth(self) -> int:
+        return self.beam_depth if self.beam_width else len(self.branching)
+
+    @property
+    def is_chain(self) -> bool:
+        return not self.beam_width and all(b == 1 for b in self.branching)
+
+    @classmethod
+    def chain(cls, k: int, sample: bool) -> "DraftPlan":
+        return cls(branching=(1,) * k, sample=sample)
+
+    def shrink(self, depth: int) -> "DraftPlan":
+        """The same plan at most ``depth`` levels deep (near the position limit)."""
+        if self.beam_width:
+            return DraftPlan(beam_width=self.beam_width, beam_depth=min(depth, self.beam_depth),
+                             sample=self.sample)  # fmt: skip
+        return DraftPlan(branching=self.branching[:depth], sample=self.sample)
+
+
+@dataclass(frozen=True)
 class DecodingSettings:
-    """What a speculative generator needs to know besides its models."""
+    """What a speculative generator needs to know besides its models. Each field's help is the
+    one text of its flag: the task's config (``--verify`` ...), ``spec-nmt-translate`` and the
+    benchmark take it from here."""
 
     # the rule and the drafts
-    verify: str = "top_beta"  # top_beta | sampling | rsd
-    # k: drafted tokens per iteration (tree depth for rsd; 0: no drafts, the verifier alone on
-    # the same loop). With the bundled pair 2 and 3 are the fastest k > 0, 5 and 10 slower
-    # (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
-    block_size: int = 3
-    beta: int = 1  # top-beta: a draft must be among the verifier's beta best ...
-    tau: float = 0.0  # ... and within tau of the best log-prob (1 / 0: lossless)
-    # children per node at each depth: rsd's RSD-C tree, or a tree of the drafter's best tokens
-    # for top_beta (chains without it or tree_budget)
-    tree_branching: Optional[str] = None
-    # nodes per iteration, grown by beam search over the drafter's sequences (stochastic for
-    # rsd: RSD-S); block_size levels of tree_budget // block_size nodes each
-    tree_budget: int = 0
-    # the most sentences a batch may have and still draft; a larger batch decodes with the
-    # verifier alone on the same loop, since the bundled pair's drafts cost more than they earn
-    # in a batch (BENCHMARKS.md). None: 1 for the rules whose translations do not depend on the
-    # drafts (lossless top-beta, sampling and rsd: the same distribution), no limit for a
-    # relaxed top-beta/tau, whose drafts decide its translations; 0: no limit
-    max_draft_batch: Optional[int] = None
-    # sampling (rules sampling and rsd)
+    verify: str = field(default="top_beta", metadata={
+            "help": "verification rule: top_beta (greedy drafts, --beta/--tau), sampling "
+            "(speculative sampling of a drafted chain) or rsd (recursive rejection sampling "
+            "over a draft tree); sampling and rsd sample exactly from the verifier, with "
+            "--temperature, --sampling-topk, --sampling-topp and --seed"
+        })
+    # With the bundled pair 2 and 3 are the fastest k > 0 (BENCHMARKS.md)
+    block_size: int = field(default=3, metadata={
+            "help": "k: [MASK] positions the drafter fills per iteration, in training (the "
+            "recipes of scripts/train_drafter.sh set their own) and decoding; in decoding 0 "
+            "drafts nothing: the verifier alone on the same loop (greedy or sampling)"
+        })
+    beta: int = field(default=1, metadata={"help": "top-beta rule: a drafted token must be among the verifier's beta best"})
+    tau: float = field(default=0.0, metadata={
+            "help": "top-beta rule: a drafted token's log-prob must be within tau of the "
+            "verifier's best (--beta 1 --tau 0 is lossless: exactly the verifier's greedy output)"
+        })
+    tree_branching: Optional[str] = field(default=None, metadata={
+            "help": "a draft tree: comma-separated children per node at each depth (e.g. "
+            "3,2,2,1: the tree is as deep as the list is long, and --block-size is not used). "
+            "--verify rsd (RSD-C) draws the children without replacement by Gumbel-top-k; with "
+            "neither this nor --tree-budget it draws "
+            f"{RULES['rsd'].default_branching} (the most tokens per verifier call of the "
+            "6-node trees on newstest2013, BENCHMARKS.md). --verify top_beta gives every node "
+            "the drafter's best tokens and accepts the path the rule passes (still lossless "
+            "with --beta 1 --tau 0); without it or --tree-budget, a chain"
+        })
+    tree_budget: int = field(default=0, metadata={
+            "help": "a draft tree of about this many nodes per iteration: beam search over the "
+            "drafter's sequences, width tree-budget // block-size over block-size levels; "
+            "stochastic for --verify rsd (RSD-S), the most probable sequences for --verify "
+            "top_beta (still lossless with --beta 1 --tau 0)"
+        })
+    max_draft_batch: Optional[int] = field(default=None, metadata={
+            "help": "the most sentences a batch may have and still draft; a larger batch decodes "
+            "with the verifier alone on the same loop (its drafts would cost more than they "
+            "earn). 0: draft in batches of any size. Default: 1 for the rules whose output the "
+            "drafts cannot change (lossless top_beta, sampling, rsd), no limit for a relaxed "
+            "--beta/--tau, whose drafts decide its translations"
+        })
+    # sampling (rules sampling and rsd), as fairseq's flags of the same names
     temperature: float = 1.0
     sampling_topk: int = -1
     sampling_topp: float = -1.0
@@ -183,3 +238,44 @@ REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
 RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
                  "max_draft_batch")  # fmt: skip
 GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))
+
+
+def _beam_given_on_command_line() -> bool:
+    return any(arg == "--beam" or arg.startswith("--beam=") for arg in sys.argv[1:])
+
+
+def check_generation_args(args, n_models: int, verify: str) -> None:
+    """Reject generation flags that speculative decoding cannot honour, one line each."""
+    if n_models != 1:
+        raise SpecNmtError("speculative decoding takes exactly one verifier in --path")
+    # fairseq's default --beam is 5; only an explicit --beam other than 1 is a user's request.
+    if getattr(args, "beam", 1) != 1 and _beam_given_on_command_line():
+        raise SpecNmtError(
+            f"--beam {args.beam} cannot be combined with --drafter-path: speculative decoding "
+            "verifies greedy decoding or sampling (drop --beam or use --beam 1)"
+        )
+    if not RULES[verify].sampled_drafts and getattr(args, "sampling", False):
+        raise SpecNmtError(
+            "--sampling with --drafter-path needs --verify sampling or --verify rsd "
+            "(top_beta verifies greedy decoding)"
+        )
+    unsupported = {
+        "nbest": (1, "--nbest must be 1 with --drafter-path (one hypothesis per sentence)"),
+        "prefix_size": (0, "--prefix-size is not supported with --drafter-path"),
+        "constraints": (None, "--constraints are not supported with --drafter-path"),
+        "match_source_len": (False, "--match-source-len is not supported with --drafter-path"),
+        "no_repeat_ngram_size": (0, "--no-repeat-ngram-size is not supported with --drafter-path"),
+        "diverse_beam_groups": (-1, "diverse beam search is not supported with --drafter-path"),
+        "diversity_rate": (-1.0, "--diversity-rate is not supported with --drafter-path"),
+        "print_alignment": (None, "--print-alignment is not supported with --drafter-path"),
+        "score_reference": (False, "--score-reference is not supported with --drafter-path"),
+        "lm_path": (None, "--lm-path is not supported with --drafter-path"),
+        "retain_iter_history": (
+            False,
+            "--retain-iter-history is not supported with --drafter-path",
+        ),
+    }
+    for name, (default, message) in unsupported.items():
+        value = getattr(args, name, default)
+        if value not in (default, None):
+            raise SpecNmtError(message)

@@ -27,8 +27,7 @@ from torch import Tensor
 
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.models import block_forward
-from spec_nmt.models.spec_drafter import SpecDrafterModel
+from spec_nmt.decoding import block_forward
 
 # initial cache slots per row; zero-filled so that unwritten slots hold no NaN for masked
 # attention weights to multiply
@@ -44,7 +43,7 @@ def value_range(values: Tensor) -> Tuple[int, int]:
     return lowest, highest
 
 
-class VerifierState:
+class ScorerState:
     """Per-batch decoding state: the encoder output's attention keys/values (the encoder output
     itself is not kept: nothing reads it after they are projected), the self-attention cache
     and each row's committed length."""
@@ -64,7 +63,7 @@ class VerifierState:
         return self.keys[0].size(2) if self.keys else 0
 
 
-class TransformerVerifier:
+class BlockScorer:
     """Wraps a fairseq ``TransformerModel`` (any checkpoint trained with ``--task translation``)."""
 
     def __init__(self, model, temperature: float = 1.0, role: str = "the verifier (--path)",
@@ -72,7 +71,7 @@ class TransformerVerifier:
         """``role`` names the model in errors; ``drafter``: it scores blocks for a drafter (a
         cached drafter is a Spec-Drafter model, which is refused as a verifier); ``project``:
         the model's packed linear layers, when packed before (packing takes a few ms)."""
-        if not drafter and isinstance(model, SpecDrafterModel):
+        if not drafter and getattr(model, "IS_DRAFTER", False):
             raise SpecNmtError(
                 f"{role} is a Spec-Drafter, not a verifier: the verifier is the Transformer "
                 "trained with --task translation (--path, verifier.pt), the drafter goes to "
@@ -114,20 +113,20 @@ class TransformerVerifier:
 
     def start(
         self, net_input: Dict[str, Tensor], encoder_out: Optional[Dict] = None
-    ) -> VerifierState:
+    ) -> ScorerState:
         """Project the batch's encoder output (``encoder_out``, from ``encode`` or another
         model's: the cached drafter reads the verifier's; by default encoded here) for every
         layer's encoder attention; nothing is cached for the decoder yet."""
         if encoder_out is None:
             encoder_out = self.encode(net_input)
         encoded = encoder_out["encoder_out"][0]  # [source length, B, C]
-        return VerifierState(encoded.size(1), encoded.device,
+        return ScorerState(encoded.size(1), encoded.device,
                              *block_forward.encoder_keys_values(self.decoder, encoder_out,
                                                                 self.project))  # fmt: skip
 
     def score_logits(
         self,
-        state: VerifierState,
+        state: ScorerState,
         block_tokens: Tensor,  # [B, W]
         depths: Optional[Tensor] = None,  # [W] or [B, W]; default 0 .. W-1
         visible: Optional[Tensor] = None,  # [B or 1, W, U+W] bool over uncommitted entries
@@ -208,7 +207,7 @@ class TransformerVerifier:
         state.uncommitted = entries
         return logits
 
-    def commit(self, state: VerifierState, keep: Optional[Tensor], n_keep: Tensor) -> None:
+    def commit(self, state: ScorerState, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Row b keeps its uncommitted entries ``keep[b, :n_keep[b]]`` (indices in scoring
         order, e.g. the root and the accepted path of a draft tree); all others are dropped.
         ``keep=None`` keeps the first ``n_keep[b]`` (a chain's accepted prefix). Kept entries
@@ -231,7 +230,7 @@ class TransformerVerifier:
         state.fed_lengths = state.fed_lengths + n_keep
         state.uncommitted = 0
 
-    def select_rows(self, state: VerifierState, rows: Tensor) -> None:
+    def select_rows(self, state: ScorerState, rows: Tensor) -> None:
         """Keep only ``rows`` of the batch (finished sentences leave), in place."""
         for caches in (state.keys, state.values, state.encoder_keys, state.encoder_values):
             caches[:] = [cache.index_select(0, rows) for cache in caches]
@@ -239,7 +238,7 @@ class TransformerVerifier:
             state.encoder_bias = state.encoder_bias.index_select(0, rows)
         state.fed_lengths = state.fed_lengths.index_select(0, rows)
 
-    def _reserve(self, state: VerifierState, slots: int, like: Tensor) -> None:
+    def _reserve(self, state: ScorerState, slots: int, like: Tensor) -> None:
         """Make every layer's cache hold at least ``slots`` slots per row (doubling)."""
         if slots <= state.capacity:
             return

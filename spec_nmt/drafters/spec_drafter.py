@@ -20,9 +20,13 @@ from fairseq.models.transformer import (
     TransformerModel,
     base_architecture,
 )
-from omegaconf import OmegaConf, open_dict
+from torch import Tensor
 
+from spec_nmt.decoding.drafter import grow_tree
+from spec_nmt.decoding.tree import DraftTree, beam_tree, greedy_chain, greedy_tree
+from spec_nmt.drafters.verifier_layout import adopt_verifier_layout
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.settings import DraftPlan
 
 logger = logging.getLogger(__name__)
 
@@ -40,39 +44,12 @@ def masked_input(tokens: torch.Tensor, prefix_ends: torch.Tensor, k: int, mask: 
     return torch.where(slots < ends, tokens[:, :width], torch.where(slots < ends + k, mask, pad))
 
 
-# fairseq options that change what the verifier's tensors compute (or which of them exist)
-# without changing the copied weights' shapes, by the part of the model they shape. A drafter
-# started from a verifier takes the verifier's values for the parts it copies, so that the copied
-# encoder (and a cached drafter's decoder layers) compute what they computed in the verifier.
-VERIFIER_LAYOUT = {
-    "encoder.": ("encoder_normalize_before", "encoder_learned_pos", "max_source_positions",
-                 "encoder_attention_heads"),
-    "decoder.": ("decoder_normalize_before", "no_decoder_final_norm", "decoder_learned_pos",
-                 "max_target_positions", "decoder_attention_heads"),
-    "": ("layernorm_embedding", "no_scale_embedding", "no_token_positional_embeddings",
-         "activation_fn"),
-}  # fmt: skip
-
-
-def adopt_verifier_layout(model_cfg, verifier_cfg, path, parts) -> None:
-    """Give the drafter configuration ``model_cfg`` the verifier's values of VERIFIER_LAYOUT
-    (read from ``verifier_cfg``, the model configuration saved in ``path``) for the parts it
-    copies (its model class's ``VERIFIER_PARTS``)."""
-    for name in [name for part in ("", *parts) for name in VERIFIER_LAYOUT[part]]:
-        value = getattr(verifier_cfg, name, None)
-        if value is None or getattr(model_cfg, name, None) == value:
-            continue
-        logger.info("--init-from-verifier: %s = %s, as in %s", name, value, path)
-        set_option(model_cfg, name, value)
-
-
-def set_option(model_cfg, name: str, value) -> None:
-    """Set an option of a model configuration, a hydra config or an argparse namespace."""
-    if OmegaConf.is_config(model_cfg):
-        with open_dict(model_cfg):
-            model_cfg[name] = value
-    else:
-        setattr(model_cfg, name, value)
+def fit_width(tokens: torch.Tensor, width: int, pad: int) -> torch.Tensor:
+    """Right-pad or cut [B, T] tokens to [B, width]."""
+    if tokens.size(1) >= width:
+        return tokens[:, :width]
+    filler = tokens.new_full((tokens.size(0), width - tokens.size(1)), pad)
+    return torch.cat([tokens, filler], dim=1)
 
 
 def dictionary_fingerprint(dictionary) -> str:
@@ -120,6 +97,13 @@ def score_masks(decoder, block_features: torch.Tensor,
 class SpecDrafterModel(TransformerModel):
     """Deep-encoder/shallow-decoder NAR drafter. Train it with ``--task spec_translation``."""
 
+    # a drafter's checkpoint given as the verifier is refused by the block scorer
+    IS_DRAFTER = True
+
+    def decoding_adapter(self, pad: int, eos: int, vocabulary: Optional[torch.Tensor] = None):
+        """What the decoding loop drafts with (``vocabulary``: see restrict_output)."""
+        return NarDrafter(self, pad, eos, vocabulary)
+
     @staticmethod
     def add_args(parser):
         TransformerModel.add_args(parser)
@@ -158,6 +142,16 @@ class SpecDrafterModel(TransformerModel):
 
     # The earliest cut a training block may follow (0: right after BOS).
     FIRST_CUT = 0
+
+    @staticmethod
+    def training_input(shifted: torch.Tensor, cuts: torch.Tensor, k: int, mask: int,
+                       pad: int) -> Dict[str, torch.Tensor]:  # fmt: skip
+        """The decoder's training input for targets ``shifted`` [B, T] (BOS + target) cut at
+        ``cuts`` [B * m] (m cuts per sentence, next to each other): one row BOS + y[:c] + k
+        masks per cut (the model runs its encoder once per sentence)."""
+        blocks = cuts.size(0) // shifted.size(0)
+        rows = fit_width(shifted.repeat_interleave(blocks, dim=0), int(cuts.max()) + 1 + k, pad)
+        return {"prev_output_tokens": masked_input(rows, cuts + 1, k, mask, pad)}
 
     # Name prefixes of the verifier's tensors this drafter starts from: the encoder (and, always,
     # the token embeddings and output projection), SpecDec's drafter initialisation.
@@ -265,3 +259,118 @@ def spec_drafter_small(args):
     args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 1024)
     args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
     spec_drafter_architecture(args)
+
+
+def output_size(decoder) -> int:
+    """Columns of a decoder's output projection (fp32 or dynamically quantized)."""
+    return decoder.output_projection.out_features
+
+
+def restrict_output(decoder, vocabulary: Tensor) -> None:
+    """Keep only the rows of ``vocabulary`` (ascending symbol ids) in a NAR drafter decoder's
+    output projection, in place. Ascending ids break ties between equal logits as the whole
+    projection would, so a best token inside the vocabulary stays the one drafted."""
+    if decoder.output_projection.bias is not None:
+        raise ValueError("a drafter's output projection has no bias in fairseq")
+    weight = decoder.output_projection.weight
+    projection = torch.nn.Linear(weight.size(1), vocabulary.numel(), bias=False,
+                                 device=weight.device, dtype=weight.dtype)  # fmt: skip
+    with torch.no_grad():
+        projection.weight.copy_(weight.index_select(0, vocabulary.to(weight.device)))
+    decoder.output_projection = projection
+
+
+class NarDrafter:
+    """The non-autoregressive Spec-Drafter: one decoder pass fills k ``[MASK]`` positions.
+
+    Its decoder attends bidirectionally over the whole input, so nothing of the prefix can be
+    cached between iterations; the (deep) encoder runs once per sentence.
+    """
+
+    def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
+        """``vocabulary``: the ascending symbol ids that ``restrict_output`` left the model's
+        output projection (None: every symbol of the verifier's dictionary)."""
+        self.model = model
+        self.mask = model.decoder.dictionary.index(MASK_SYMBOL)
+        if self.mask != len(model.decoder.dictionary) - 1:
+            raise ValueError("the Spec-Drafter's [MASK] must be its dictionary's last symbol")
+        if vocabulary is not None and output_size(model.decoder) != vocabulary.numel():
+            raise ValueError("the drafter's output projection was not restricted to its vocabulary")
+        self.pad, self.eos = pad, eos
+        self.vocabulary = vocabulary
+
+    def max_positions(self) -> int:
+        return self.model.decoder.max_positions()
+
+    def max_source_positions(self) -> int:
+        return self.model.encoder.max_positions()
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> Dict:
+        return self.model.encoder.forward_torchscript(net_input)
+
+    def position_logits(self, encoder_out: Dict, tokens: Tensor, lengths: Tensor, k: int):
+        """Float logits [B, k, D] over the draft columns (``_draft_columns``) at the k masks
+        after each row's ``tokens[b, :lengths[b] + 1]`` (BOS + verified prefix). ``tokens``
+        must be at least ``lengths.max() + 1 + k`` wide."""
+        decoder_input = masked_input(tokens, lengths + 1, k, self.mask, self.pad)
+        logits, _ = self.model.decoder(decoder_input, encoder_out)  # at the masks only
+        return self._draft_columns(logits)
+
+    def check_depth(self, depth: int) -> None:
+        """Any depth: one pass fills as many masks."""
+
+    def _draft_columns(self, logits: Tensor) -> Tensor:
+        """The columns a draft may take: the vocabulary's, or without a vocabulary the
+        verifier's symbols except PAD ([MASK] is the drafter's last symbol, appended to the
+        verifier's dictionary: dropping its column leaves exactly the verifier's)."""
+        if self.vocabulary is not None:  # neither PAD nor [MASK] is in it
+            return logits.float()
+        logits = logits[:, :, : self.mask].float()
+        logits[:, :, self.pad] = float("-inf")
+        return logits
+
+    def _over_verifier_vocabulary(self, logprobs: Tensor) -> Tensor:
+        """[B, k, D] over the draft columns -> [B, k, V] over the verifier's symbols (-inf for
+        the symbols outside the vocabulary)."""
+        if self.vocabulary is None:
+            return logprobs
+        full = logprobs.new_full((*logprobs.shape[:2], self.mask), float("-inf"))
+        full[:, :, self.vocabulary] = logprobs
+        return full
+
+    def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
+        depth = plan.depth
+        logits = self.position_logits(state, tokens, lengths, depth)
+        if not plan.sample and plan.beam_width:  # the drafter's most probable sequences
+            best_logits, best = logits.topk(plan.beam_width, dim=-1)
+            best_logprobs = best_logits - logits.logsumexp(dim=-1, keepdim=True)
+            if self.vocabulary is not None:
+                best = self.vocabulary[best]
+            return beam_tree(best_logprobs, best, plan.beam_width, self.eos)
+        if not plan.sample:  # each position's best tokens: no tree to grow
+            if plan.is_chain:
+                # max's indices, not argmax: the same token, 2.5x faster over 8k columns on CPU
+                best = logits.max(dim=-1).indices
+            else:
+                best = logits.topk(max(plan.branching), dim=-1).indices
+            if self.vocabulary is not None:
+                best = self.vocabulary[best]
+            if plan.is_chain:
+                return greedy_chain(best, self.eos)
+            return greedy_tree(best, plan.branching, self.eos)
+        logprobs = self._over_verifier_vocabulary(torch.log_softmax(logits, dim=-1))
+
+        def expand(level_tokens: Tensor, _visible, level_depth: int) -> Tensor:
+            if depth == 0:  # no drafts at all (position limit): no distribution is needed
+                return logprobs.new_zeros(*level_tokens.shape, logprobs.size(2))
+            position = logprobs[:, min(level_depth, depth - 1)]
+            return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
+
+        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
+
+    def commit(self, encoder_out, keep: Optional[Tensor], n_keep: Tensor) -> None:
+        """Nothing to keep: the next pass reads the whole verified prefix again."""
+
+    def select_rows(self, encoder_out: Dict, rows: Tensor) -> None:
+        encoder_out.update(self.model.encoder.reorder_encoder_out(encoder_out, rows))

@@ -1,4 +1,5 @@
-"""Paragraphs in, sentences to the models, paragraphs out.
+"""Text in and out: paragraphs split into sentences for the models and joined again, lines cut
+to the length the models take, and stdin read so that N lines in give N lines out.
 
 The models are trained on single sentences, so a line holding several is split before it is
 translated and the translations are joined again with one space: one output line per input line.
@@ -11,9 +12,16 @@ measures it.
 """
 
 import functools
+import io
+import logging
+import sys
 from typing import List
 
+import torch
+
 from sentence_splitter import SentenceSplitter, SentenceSplitterException
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,3 +57,26 @@ def split_sentences(line: str, language: str) -> List[str]:
 
 def join_sentences(translations: List[str]) -> str:
     return " ".join(t for t in translations if t)
+
+
+def cut_to_limit(line_tokens: torch.Tensor, limit: int) -> torch.Tensor:
+    """A source line's token ids (EOS last) as the models can take them: a line of more than
+    ``limit`` keeps its first ``limit - 1`` tokens and its EOS, with a warning."""
+    if line_tokens.numel() <= limit:
+        return line_tokens
+    logger.warning(
+        "input line of %d tokens is longer than the models accept; translating its first %d "
+        "tokens", line_tokens.numel() - 1, limit - 1,
+    )  # fmt: skip
+    return torch.cat([line_tokens[: limit - 1], line_tokens[-1:]])
+
+
+def tolerant_stdin() -> None:
+    """fairseq-interactive reads stdin with Python's defaults, so an invalid UTF-8 byte kills it
+    and a lone carriage return splits a line in two. Before anything is read, make bad bytes
+    U+FFFD and only newlines end lines, so N input lines always give N outputs."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        try:
+            sys.stdin.reconfigure(errors="replace", newline="\n")
+        except (OSError, ValueError):  # already read from (e.g. the API in a REPL): leave it
+            pass

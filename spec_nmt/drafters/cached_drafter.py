@@ -13,14 +13,18 @@ positions after cut c_m and see the prefix entries up to c_m and their own block
 
 """
 
+from typing import Dict, Optional, Tuple
+
 import torch
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase, base_architecture
 from torch import Tensor
 
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.models import block_forward
-from spec_nmt.models.spec_drafter import MASK_SYMBOL, SpecDrafterModel, score_masks
+from spec_nmt.decoding import block_forward
+from spec_nmt.decoding.linears import PackedLinears
+from spec_nmt.decoding.scorer import BlockScorer, ScorerState, value_range
+from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, NarDrafter, SpecDrafterModel, score_masks
 
 
 def cut_visibility(prefix_width: int, cuts: Tensor, block_size: int) -> Tensor:
@@ -127,6 +131,19 @@ class CachedDrafterModel(SpecDrafterModel):
             parameter.requires_grad_(False)
         return model
 
+    @staticmethod
+    def training_input(shifted: Tensor, cuts: Tensor, k: int, mask: int,
+                       pad: int) -> Dict[str, Tensor]:  # fmt: skip
+        """BOS + target once, then one block of k masks per cut (``cuts`` [B * m], m cuts per
+        sentence next to each other)."""
+        blocks = cuts.size(0) // shifted.size(0)
+        masks = shifted.new_full((shifted.size(0), blocks * k), mask)
+        return {"prev_output_tokens": torch.cat([shifted, masks], dim=1),
+                "cuts": cuts.view(-1, blocks)}  # fmt: skip
+
+    def decoding_adapter(self, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
+        return CachedDrafter(self, pad, eos, vocabulary)
+
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return CachedDrafterDecoder(cfg, tgt_dict, embed_tokens)
@@ -188,3 +205,65 @@ def cached_drafter_small(args):
 def cached_drafter_base(args):
     """Pairs with the base verifier (transformer_wmt_en_de: 6 encoder layers, d=512)."""
     cached_drafter_architecture(args)
+
+
+class CachedDrafter(NarDrafter):
+    """The cached drafter (drafters/cached_drafter.py): a NAR drafter on the verifier's encoder
+    output whose causal prefix lives in a KV cache. Each iteration feeds the tokens committed
+    since the last one (causally, kept in the cache) and the k masks (seeing the prefix and each
+    other, dropped again), on the verifier's block scorer."""
+
+    def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
+        super().__init__(model, pad, eos, vocabulary)
+        # only the decoder runs: its encoder copy is for training
+        self.scorer = BlockScorer(model, role="the cached drafter (--drafter-path)",
+                                          drafter=True, project=PackedLinears(model.decoder))
+        self._visibility: Dict[Tuple[int, int, torch.device], Tensor] = {}
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> ScorerState:
+        return self.scorer.start(net_input, encoder_out=verifier_encoder_out)
+
+    def position_logits(self, cache: ScorerState, tokens: Tensor, lengths: Tensor, k: int):
+        """Float logits [B, k, D] over the draft columns at the k masks after each row's
+        ``tokens[b, :lengths[b] + 1]``; the prefix entries not yet in the cache join it."""
+        fed = cache.fed_lengths
+        n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
+        fewest, width = value_range(n_new)
+        order = torch.arange(width, device=tokens.device)
+        slots = fed.unsqueeze(1) + order
+        new_tokens = tokens.gather(1, slots.clamp(max=tokens.size(1) - 1))
+        if fewest == width:  # every row feeds as many entries (always at batch 1)
+            depths = torch.arange(width + k, device=tokens.device)
+            visible = self._visibility_pattern(width, k, tokens.device)
+        else:
+            new = order < n_new.unsqueeze(1)
+            new_tokens = torch.where(new, new_tokens, self.pad)
+            masks = n_new.unsqueeze(1) + torch.arange(k, device=tokens.device)
+            depths = torch.cat([order.expand_as(new), masks], dim=1)
+            # new prefix entries: causal among the real ones (so never a mask); masks: every
+            # real new entry and each other; padding entries: only themselves (no empty
+            # attention row)
+            real = torch.cat([new, new.new_ones(tokens.size(0), k)], dim=1)  # [B, entries]
+            visible = self._visibility_pattern(width, k, tokens.device)
+            visible = visible & real.unsqueeze(1) & real.unsqueeze(2)
+            visible |= torch.eye(width + k, dtype=torch.bool, device=tokens.device)
+        block = torch.cat([new_tokens, tokens.new_full((tokens.size(0), k), self.mask)], dim=1)
+        logits = self.scorer.score_logits(cache, block, depths, visible, outputs=k)
+        self.scorer.commit(cache, None, n_new)
+        return self._draft_columns(logits)
+
+    def _visibility_pattern(self, width: int, k: int, device: torch.device) -> Tensor:
+        """[1, width + k, width + k]: ``width`` new prefix entries, causal, then k masks that
+        see every entry (built once per shape)."""
+        key = (width, k, device)
+        if key not in self._visibility:
+            column = torch.arange(width + k, device=device)
+            causal = column.unsqueeze(0) <= column.unsqueeze(1)
+            self._visibility[key] = (causal | (column >= width).unsqueeze(1)).unsqueeze(0)
+        return self._visibility[key]
+
+    def commit(self, cache: ScorerState, keep: Optional[Tensor], n_keep: Tensor) -> None:
+        """The accepted tokens join the cache as prefix entries next time."""
+
+    def select_rows(self, cache: ScorerState, rows: Tensor) -> None:
+        self.scorer.select_rows(cache, rows)

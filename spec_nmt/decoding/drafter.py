@@ -1,0 +1,170 @@
+"""The drafter contract of the decoding loop, the drafter that drafts nothing, and tree growing
+for drafters that draw each level from the distribution after its parent (a chain of k drafts is
+a tree too, see tree.py). The drafters themselves live in ``spec_nmt/drafters/``, one file each
+with its fairseq model.
+"""
+
+import sys
+from typing import Any, Callable, Dict, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from spec_nmt.decoding.tree import (
+    DraftTree,
+    beam_step,
+    block_visibility,
+    chain,
+    gumbel_top_k,
+    stochastic_beam_step,
+)
+from spec_nmt.settings import DraftPlan
+
+
+class Drafter(Protocol):
+    """What the decoding loop asks of a drafter. A state is the drafter's own per-batch object;
+    every method that changes it changes it in place (as the verifier's ``select_rows`` and
+    ``commit`` do)."""
+
+    def max_positions(self) -> int:
+        """Decoder positions the drafter can draft at."""
+
+    def max_source_positions(self) -> int:
+        """Source tokens it accepts."""
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> Any:
+        """The state for a batch (``verifier_encoder_out``: the verifier's encoder output)."""
+
+    def propose(self, state, tokens: Tensor, lengths: Tensor, plan: DraftPlan,
+                generator: Optional[torch.Generator]) -> DraftTree:  # fmt: skip
+        """A draft tree per row after its verified prefix ``tokens[b, 1 : lengths[b] + 1]``
+        (``tokens[b, 0]`` is BOS; ``tokens[b, lengths[b]]`` the pending token). The loop
+        changes ``tokens`` and ``lengths`` in place afterwards: keep copies, not them."""
+
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
+        """Row b's verified prefix grew by the block entries ``keep[b, :n_keep[b]]`` (the
+        pending token and the accepted path, in the verifier's scoring order); ``keep=None``:
+        by the first ``n_keep[b]`` entries (a chain)."""
+
+    def select_rows(self, state, rows: Tensor) -> None:
+        """Keep only ``rows`` of the batch."""
+
+    def check_depth(self, depth: int) -> None:
+        """A one-line error for drafts ``depth`` deep that the drafter cannot make (the
+        generator asks once, before decoding)."""
+
+
+# expand(level tokens [B, n], their visibility over uncommitted entries [B, n, U+n], their depth)
+#   -> log-probs [B, n, V] of each node's children
+Expand = Callable[[Tensor, Tensor, int], Tensor]
+
+
+def grow_tree(
+    plan: DraftPlan,
+    pending: Tensor,  # [B] the root token of every row
+    expand: Expand,
+    eos: int,
+    generator: Optional[torch.Generator],
+    needs_visibility: bool = True,
+) -> DraftTree:
+    """Grow a draft tree level by level. Children of an EOS node (and of an empty slot) are
+    empty slots; the drafter distribution of every entry is kept when sampling.
+    ``needs_visibility=False`` passes ``None`` to ``expand`` (drafters that see no tree)."""
+    batch = pending.size(0)
+    device = pending.device
+    root = pending.unsqueeze(1)
+    entry_logprobs = [expand(root, torch.ones(batch, 1, 1, dtype=torch.bool, device=device), 0)]
+    empty = pending.new_zeros(batch, 0)
+    tokens, parents, valid = [empty], [empty], [empty.bool()]
+    depths = [pending.new_zeros(0)]
+    frontier_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    frontier_tokens = root
+    beam_logprobs = torch.zeros(batch, 1, device=device)
+    beam_scores = torch.zeros(batch, 1, device=device)
+    for depth in range(1, plan.depth + 1):
+        parent_logprobs = entry_logprobs[-1]  # [B, n_parents, V]
+        # the root always extends: it is BOS (EOS's index in fairseq) or an unfinished prefix
+        can_extend = frontier_valid & (frontier_tokens.ne(eos) if depth > 1 else True)
+        first_parent = sum(t.size(1) for t in tokens) - frontier_tokens.size(1)  # node index
+        if plan.beam_width:
+            masked = parent_logprobs.masked_fill(~can_extend.unsqueeze(2), float("-inf"))
+            if plan.sample:
+                beam, level_tokens, beam_logprobs, beam_scores = stochastic_beam_step(
+                    beam_logprobs, beam_scores, masked, plan.beam_width, generator
+                )
+            else:
+                beam, level_tokens, beam_logprobs = beam_step(beam_logprobs, masked,
+                                                              plan.beam_width)  # fmt: skip
+                beam_scores = beam_logprobs
+            level_valid = beam_scores.isfinite()
+        else:
+            width = plan.branching[depth - 1]
+            if plan.sample:
+                level_tokens, drawn = gumbel_top_k(parent_logprobs, width, generator)
+            else:
+                level_tokens = parent_logprobs.topk(width, dim=-1).indices
+                drawn = torch.ones_like(level_tokens, dtype=torch.bool)
+            beam = torch.arange(frontier_tokens.size(1), device=device).repeat_interleave(width)
+            beam = beam.expand(batch, -1)
+            level_tokens = level_tokens.flatten(1)
+            level_valid = drawn.flatten(1) & can_extend.gather(1, beam)
+        level_parents = beam + first_parent if depth > 1 else torch.full_like(beam, -1)
+        tokens.append(level_tokens)
+        parents.append(level_parents)
+        valid.append(level_valid & frontier_valid.gather(1, beam))
+        depths.append(torch.full((level_tokens.size(1),), depth, device=device))
+        # the children's distributions (for the deepest level only an AR drafter computes them:
+        # feeding the leaves keeps its cache complete for the next iteration)
+        level_visible = None
+        if needs_visibility and plan.is_chain:  # a chain node sees every earlier entry
+            level_visible = torch.ones(batch, 1, depth + 1, dtype=torch.bool, device=device)
+        elif needs_visibility:
+            level_visible = block_visibility(torch.cat(parents, dim=1))[:, -level_tokens.size(1) :]
+        entry_logprobs.append(expand(level_tokens, level_visible, depth))
+        frontier_tokens, frontier_valid = level_tokens, valid[-1]
+    draft_probs = torch.cat(entry_logprobs, dim=1).exp() if plan.sample else None
+    return DraftTree(
+        torch.cat(tokens, dim=1),
+        torch.cat(parents, dim=1),
+        torch.cat(depths),
+        torch.cat(valid, dim=1),
+        draft_probs,
+    )
+
+
+class NoDrafter:
+    """Drafts nothing: with k = 0 the loop decodes with the verifier alone, one entry per verifier
+    call (greedy, or sampling from the verifier), on the same block scorer and packed products as
+    speculative decoding; the drafter that was loaded is not run."""
+
+    def __init__(self, max_positions: int, symbols: int):
+        self._max_positions, self.symbols = max_positions, symbols
+
+    def max_positions(self) -> int:
+        return self._max_positions
+
+    def max_source_positions(self) -> int:
+        return sys.maxsize  # it reads no source: any the verifier takes
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> None:
+        return None
+
+    def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
+        return no_drafts(tokens, self.symbols, plan.sample)
+
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
+        """Nothing to keep."""
+
+    def select_rows(self, state, rows: Tensor) -> None:
+        """Nothing per row."""
+
+    def check_depth(self, depth: int) -> None:
+        """It drafts nothing at any depth."""
+
+
+def no_drafts(tokens: Tensor, symbols: int, sample: bool) -> DraftTree:
+    """A tree without nodes for each row of ``tokens``; a sampling rule also gets the root's
+    drafter distribution over ``symbols`` (zeros, never read: the root has no children)."""
+    batch = tokens.size(0)
+    probs = tokens.new_zeros(batch, 1, symbols, dtype=torch.float) if sample else None
+    return chain(tokens.new_zeros(batch, 0), probs)

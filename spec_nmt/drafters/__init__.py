@@ -1,0 +1,1 @@
+from spec_nmt.drafters import cached_drafter, spec_drafter  # noqa: F401  (registration)

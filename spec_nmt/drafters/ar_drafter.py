@@ -1,0 +1,53 @@
+"""The autoregressive drafter: any stock fairseq Transformer translation model (trained with
+``--task translation`` on the verifier's dictionaries), run on the verifier's block scorer.
+"""
+
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from spec_nmt.decoding.drafter import grow_tree
+from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.decoding.tree import DraftTree
+from spec_nmt.settings import DraftPlan
+
+
+class ArDrafter:
+    """An autoregressive drafter: a small stock fairseq Transformer translation model, run on the
+    verifier's block scorer (KV cache with tree attention). Each iteration feeds the pending
+    token and then every tree level, leaves included, so that after ``commit`` its cache holds
+    the whole verified prefix except the new pending token."""
+
+    def __init__(self, model, pad: int, eos: int):
+        self.scorer = BlockScorer(model, role="the autoregressive drafter (--drafter-path)",
+                                          drafter=True)
+        self.pad, self.eos = pad, eos
+
+    def max_positions(self) -> int:
+        return self.scorer.max_positions()
+
+    def max_source_positions(self) -> int:
+        return self.scorer.model.encoder.max_positions()
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict):
+        return self.scorer.start(net_input)
+
+    def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
+        def expand(level_tokens: Tensor, visible: Tensor, level_depth: int) -> Tensor:
+            depths = torch.full((level_tokens.size(1),), level_depth, device=level_tokens.device)
+            logits = self.scorer.score_logits(state, level_tokens, depths, visible)
+            logits[:, :, self.pad] = float("-inf")
+            return logits.log_softmax(dim=-1)
+
+        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+        return grow_tree(plan, pending, expand, self.eos, generator)
+
+    def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
+        self.scorer.commit(state, keep, n_keep)
+
+    def select_rows(self, state, rows: Tensor) -> None:
+        self.scorer.select_rows(state, rows)
+
+    def check_depth(self, depth: int) -> None:
+        """Any depth: it feeds one level per step."""

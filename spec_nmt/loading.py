@@ -1,0 +1,172 @@
+"""Loading models for speculative decoding: checkpoints, the drafter's adapter and draft
+vocabulary, int8 drafting, and the refusals of files that do not belong together.
+"""
+
+import copy
+import os
+import warnings
+from typing import Optional
+
+import torch
+from fairseq import checkpoint_utils
+from fairseq.models import ARCH_MODEL_REGISTRY
+
+from spec_nmt.checkpoint_loading import model_config
+from spec_nmt.drafters.ar_drafter import ArDrafter
+from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel, restrict_output
+from spec_nmt.errors import SpecNmtError
+
+DRAFTER_PRECISION_NAMES = ("auto", "fp32", "int8")
+# int8 drafts depend on their batch (activation scales per call): opt-in, see drafts_in_int8
+DEFAULT_DRAFTER_PRECISION = "fp32"
+
+
+def load_drafter(task, path: str, verifier_model):
+    """Load a drafter checkpoint for ``task`` onto the verifier's device and dtype (its linear
+    layers in int8 by --drafter-precision): a Spec-Drafter, a cached drafter, or a stock
+    Transformer translation model (autoregressive drafter); returns its decoding adapter."""
+    state = read_checkpoint("--drafter-path", path)
+    arch = checkpoint_arch(state)
+    autoregressive = arch is not None and arch.startswith("transformer")
+    if not (is_nar_drafter(state) or autoregressive):
+        raise SpecNmtError(
+            f"--drafter-path {path} is neither a Spec-Drafter, a cached drafter nor "
+            f"a Transformer checkpoint (arch {arch}); train one with --task spec_translation "
+            "--arch spec_drafter_small or cached_drafter_small, or with "
+            "--task translation --arch transformer"
+        )
+    if autoregressive:
+        embeddings = state["model"].get("decoder.embed_tokens.weight")
+        if embeddings is not None and embeddings.size(0) != len(task.target_dictionary):
+            raise SpecNmtError(
+                f"--drafter-path {path} has {embeddings.size(0)} target symbols but the "
+                f"dictionary in {task.cfg.data} has {len(task.target_dictionary)}: drafter "
+                "and verifier must share the data directory's dictionary"
+            )
+    vocabulary = read_draft_vocabulary(state, path, task.target_dictionary, autoregressive)
+    model = load_beside(task, path, state, verifier_model)
+    check_pair(model, verifier_model)
+    weights = next(model.parameters())
+    if vocabulary is not None:  # before int8, which then quantizes the smaller projection
+        vocabulary = vocabulary.to(weights.device)
+        restrict_output(model.decoder, vocabulary)
+    if drafts_in_int8(task.cfg.drafter_precision, weights.device.type, weights.dtype):
+        model = _int8_linears(model)
+    return drafter_adapter(model, task.target_dictionary, vocabulary)
+
+
+def load_beside(task, path: str, state, reference_model):
+    """The model of a checkpoint, on the device and in the dtype of ``reference_model``."""
+    (model,), _ = checkpoint_utils.load_model_ensemble([path], task=task, state=state)
+    reference = next(reference_model.parameters())
+    return model.to(device=reference.device, dtype=reference.dtype).eval()
+
+
+def read_checkpoint(flag: str, path: str):
+    if not os.path.isfile(path):
+        raise SpecNmtError(f"{flag} {path}: no such file")
+    return checkpoint_utils.load_checkpoint_to_cpu(path)
+
+
+def drafter_adapter(model, dictionary, vocabulary: Optional[torch.Tensor] = None):
+    """The decoding loop's adapter for a drafter model: the drafter model's own (over
+    ``vocabulary`` when given, see read_draft_vocabulary), or for any other fairseq translation
+    model the autoregressive drafter."""
+    pad, eos = dictionary.pad(), dictionary.eos()
+    if isinstance(model, SpecDrafterModel):
+        return model.decoding_adapter(pad, eos, vocabulary)
+    return ArDrafter(model, pad, eos)
+
+
+def check_pair(drafter_model, verifier_model) -> None:
+    """Refuse a verifier that is not the one the drafter was trained with, where the drafter
+    can tell (a cached drafter holds a copy of its verifier's encoder)."""
+    check = getattr(drafter_model, "check_verifier_matches", None)
+    if check is not None:
+        check(verifier_model)
+
+
+# The checkpoint key of a NAR drafter's draft vocabulary (scripts/export_model.py writes it).
+DRAFT_VOCABULARY_KEY = "draft_vocabulary"
+
+
+def read_draft_vocabulary(state, path: str, dictionary,
+                          autoregressive: bool) -> Optional[torch.Tensor]:  # fmt: skip
+    """The ascending target symbol ids a drafter checkpoint drafts over (None: all of them),
+    checked against the target ``dictionary``: every id a symbol of it, EOS among them, PAD
+    not."""
+    vocabulary = state.get(DRAFT_VOCABULARY_KEY)
+    if vocabulary is None:
+        return None
+    problem = None
+    if autoregressive:
+        problem = "only the NAR drafters (Spec-Drafter, cached) draft over a vocabulary"
+    elif not isinstance(vocabulary, torch.Tensor) or vocabulary.dim() != 1 or (
+        vocabulary.is_floating_point() or vocabulary.numel() == 0
+    ):
+        problem = "it must be a non-empty 1-d tensor of symbol ids"
+    elif not bool((vocabulary[1:] > vocabulary[:-1]).all()):
+        problem = "its ids must be ascending and distinct"
+    elif int(vocabulary[0]) < 0 or int(vocabulary[-1]) >= len(dictionary):
+        problem = f"its ids must be symbols of the {len(dictionary)}-symbol target dictionary"
+    elif dictionary.pad() in vocabulary.tolist() or dictionary.eos() not in vocabulary.tolist():
+        problem = "it must hold EOS and not PAD"
+    if problem:
+        raise SpecNmtError(f"--drafter-path {path}: bad {DRAFT_VOCABULARY_KEY}: {problem}")
+    return vocabulary.long()
+
+
+def with_mask(dictionary):
+    if MASK_SYMBOL in dictionary.indices:
+        return dictionary
+    extended = copy.deepcopy(dictionary)
+    extended.add_symbol(MASK_SYMBOL, n=0)
+    return extended
+
+
+# The layers that --drafter-precision int8 quantizes: the feed-forward layers and the output
+# projection, where int8 pays (2-5x on a CPU). The attention projections stay: int8 was slower
+# there, and fairseq's own attention reads their weights as tensors.
+INT8_LAYERS = ("fc1", "fc2", "output_projection")
+
+
+def drafts_in_int8(precision: str, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a drafter whose weights are on ``device_type`` in ``dtype`` runs its layers in
+    int8: asked for, or ``auto`` on the CPU in fp32, where
+    int8 drafts cost about 0.1 greedy steps less per iteration for the same acceptance
+    (BENCHMARKS.md). Not the default: with activation scales per call, a sentence's drafts (and
+    so its top-beta/tau output) would depend on the batch it is decoded in."""
+    if precision not in DRAFTER_PRECISION_NAMES:
+        raise SpecNmtError(
+            f"--drafter-precision must be auto, fp32 or int8, got {precision!r}"
+        )
+    cpu_fp32 = device_type == "cpu" and dtype == torch.float32
+    if precision == "int8" and not cpu_fp32:
+        raise SpecNmtError(
+            "--drafter-precision int8 runs on the CPU in fp32 only (add --cpu, drop --fp16)"
+        )
+    return precision == "int8" or (precision == "auto" and cpu_fp32)
+
+
+def _int8_linears(model):
+    """The model with its feed-forward and output layers dynamically quantized to int8 (int8
+    weights, activations quantized per call); drafts only decide what gets accepted."""
+    quantized = {
+        name: torch.ao.quantization.default_dynamic_qconfig
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in INT8_LAYERS
+    }
+    with warnings.catch_warnings():  # torch.ao's deprecation notice for eager-mode quantization
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model, quantized, dtype=torch.qint8)
+
+
+def is_nar_drafter(state) -> bool:
+    """Whether a checkpoint is a NAR drafter: a Spec-Drafter or a cached drafter."""
+    model_class = ARCH_MODEL_REGISTRY.get(checkpoint_arch(state))
+    return model_class is not None and issubclass(model_class, SpecDrafterModel)
+
+
+def checkpoint_arch(state) -> Optional[str]:
+    model = model_config(state)
+    return getattr(model, "arch", None) or getattr(model, "_name", None)

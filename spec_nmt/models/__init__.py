@@ -1,1 +1,0 @@
-from spec_nmt.models import cached_drafter, spec_drafter  # noqa: F401  (registration)

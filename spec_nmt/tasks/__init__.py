@@ -1,1 +1,0 @@
-from spec_nmt.tasks import spec_translation  # noqa: F401  (registers the task)
