@@ -64,6 +64,7 @@ import torch
 from fairseq.search import Sampling
 from fairseq.sequence_generator import SequenceGenerator
 
+import diagnosis  # benchmarks/diagnosis.py, beside this script
 import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
 from spec_nmt.settings import DraftPlan
 from spec_nmt.decoding.drafter import NoDrafter
@@ -356,7 +357,7 @@ class PhaseTimer:
         "encode": [("verifier", "encode"), ("verifier", "start"), ("drafter", "start")],
         "draft": [("drafter", "propose")],
         "score": [("verifier", "score_logits")],
-        "accept": [("generator", "_accept"), ("generator", "_constrain")],
+        "accept": [("generator", "accept"), ("generator", "constrain")],
         "commit": [("verifier", "commit"), ("drafter", "commit"), ("verifier", "select_rows"),
                    ("drafter", "select_rows")],
     }  # fmt: skip
@@ -387,6 +388,52 @@ def greedy_steps(pair, outputs, tokens, batch_size) -> int:
     return sum(max(outputs[line].numel() for line in lines) for lines, _ in pair.batches(tokens, batch_size))
 
 
+def greedy_alone(pair, tokens):
+    """The verifier's greedy translation of each sentence alone: what lossless decoding must
+    give."""
+    return decode_all(pair, {"greedy": fairseq_generator(pair, 1)}, tokens, 1)["greedy"]["tokens"]
+
+
+def oracle(pair, tokens, alone, block: int) -> SpeculativeGenerator:
+    """Lossless decoding with the OracleDrafter of these sentences' greedy translations."""
+    generator = speculating(pair, block_size=block)
+    continuations = {tuple(t.tolist()): out for t, out in zip(tokens, alone)}
+    generator.drafter = OracleDrafter(continuations, pair.tgt_dict,
+                                      pair.verifier.decoder.max_positions())  # fmt: skip
+    return generator
+
+
+def acceptance(args):
+    """Where draft chains break: P(position i accepted | position i-1 accepted) for the drafter
+    (lossless, and the reference top-beta/tau) and the oracle at k = --block, overall, by source
+    length and by the kind of token the verifier wanted (diagnosis.py)."""
+    pair = load_pair(args)
+    src = read_lines(args.src, args.lines)
+    tokens = pair.encode(src)
+    systems = {
+        "drafter, lossless": speculating(pair, block_size=args.block),
+        f"drafter, beta {args.beta} tau {args.tau:g}": speculating(
+            pair, block_size=args.block, beta=args.beta, tau=args.tau),
+        "oracle, lossless": oracle(pair, tokens, greedy_alone(pair, tokens), args.block),
+    }  # fmt: skip
+    source_lengths = [t.numel() - 1 for t in tokens]  # without EOS
+    eos = pair.tgt_dict.eos()
+    tables = {}
+    for name, generator in systems.items():
+        table = diagnosis.AcceptanceTable()
+        with torch.inference_mode():
+            for lines, sample in pair.batches(tokens, args.batch_size):
+                trace = []
+                generator.generate([pair.verifier], sample, trace=trace)
+                table.add(trace, [source_lengths[line] for line in lines],
+                          pair.tgt_dict.__getitem__, eos)  # fmt: skip
+        tables[name] = table.as_dict()
+    print("\n".join(diagnosis.markdown(tables, min(args.block, 10))))
+    if args.json:
+        result = {"environment": environment(args), "block": args.block, "systems": tables}
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def ceiling(args):
     """Fairseq greedy against speculative lossless decoding with the oracle drafter (the ceiling
     of the loop) and with the real drafter, per batch size, with each iteration's cost in greedy
@@ -395,20 +442,15 @@ def ceiling(args):
     src = read_lines(args.src, args.lines)
     tokens = pair.encode(src)
     greedy = fairseq_generator(pair, 1)
-    # the verifier's greedy translation of each sentence alone: what lossless decoding must give
-    alone = decode_all(pair, {"greedy": greedy}, tokens, 1)["greedy"]["tokens"]
-    continuations = {tuple(t.tolist()): out for t, out in zip(tokens, alone)}
+    alone = greedy_alone(pair, tokens)
     dictionary = pair.tgt_dict
     ctranslate2 = ctranslate2_runs(args) if args.ctranslate2 else {}
     greedy_text = [dictionary.string(t) for t in alone]  # CTranslate2 gives pieces, not ids
     rows = []
     for batch_size in args.batch_sizes:
-        oracle = speculating(pair, block_size=args.block)
-        oracle.drafter = OracleDrafter(continuations, dictionary,
-                                       pair.verifier.decoder.max_positions())  # fmt: skip
         systems = {"fairseq greedy": greedy,
                    "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
-                   "spec lossless, oracle drafter": oracle,
+                   "spec lossless, oracle drafter": oracle(pair, tokens, alone, args.block),
                    "spec lossless, real drafter": speculating(pair, block_size=args.block),
                    "spec-nmt defaults": defaults(pair)}  # fmt: skip
         if args.tree_branching:
@@ -725,7 +767,8 @@ def comma_list(kind):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["sweep", "run", "sampling", "ceiling", "block-cost"])
+    parser.add_argument("mode", choices=["sweep", "run", "sampling", "ceiling", "block-cost",
+                                         "acceptance"])  # fmt: skip
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--src", required=True, help="raw source sentences, one per line")
     parser.add_argument("--ref", default=None, help="raw reference translations (not for ceiling)")
@@ -772,13 +815,13 @@ def main():
                         help="ceiling: add CTranslate2 greedy rows (fp32, int8) of the same verifier "
                         "(pip install ctranslate2)")
     args = parser.parse_args()
-    if args.mode not in ("ceiling", "block-cost") and args.ref is None:
+    if args.mode not in ("ceiling", "block-cost", "acceptance") and args.ref is None:
         parser.error(f"{args.mode} needs --ref")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     modes = {"sweep": sweep, "run": run, "sampling": sampling, "ceiling": ceiling,
-             "block-cost": block_cost}  # fmt: skip
+             "block-cost": block_cost, "acceptance": acceptance}  # fmt: skip
     modes[args.mode](args)
 
 

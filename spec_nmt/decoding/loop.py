@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 
 from spec_nmt.decoding.drafter import Drafter, NoDrafter
-from spec_nmt.settings import DraftPlan
-from spec_nmt.settings import DecodingSettings
 from spec_nmt.decoding.rules import RULES
+from spec_nmt.decoding.trace import IterationRecord, trace_records
 from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.settings import DecodingSettings, DraftPlan
 
 logger = logging.getLogger(__name__)
 
@@ -59,22 +59,6 @@ class DecodingStats:
             + (f"; {self.batches_without_drafts} batches of more sentences than "
                "--max-draft-batch decoded without drafts" if self.batches_without_drafts else "")
         )
-
-
-@dataclass
-class IterationRecord:
-    """What one iteration did for one sentence (``generate(..., trace=[])``), as plain data."""
-
-    sentence: int  # row of the batch
-    prefix: List[int]  # verified output tokens before the iteration
-    draft_tokens: List[int]  # the draft tree's nodes ...
-    draft_parents: List[int]  # ... and each node's parent (-1: the root)
-    candidates: List[List[int]]  # per block entry: the verifier's best tokens (beta, at least 3)
-    candidate_logprobs: List[List[float]]
-    accepted_path: List[int]  # accepted nodes, root to leaf
-    next_token: int  # the verifier's token after them
-    next_kind: str  # "correction" (after a rejection) or "bonus" (after a leaf)
-    ended_by_accepted_eos: bool
 
 
 class SpeculativeGenerator:
@@ -130,7 +114,6 @@ class SpeculativeGenerator:
             raise SpecNmtError("speculative decoding does not support prefix tokens or constraints")
         net_input = sample["net_input"]
         src_tokens = net_input["src_tokens"]
-        bsz = src_tokens.size(0)
         src_lengths = net_input.get("src_lengths")
         if src_lengths is None:
             src_lengths = src_tokens.ne(self.pad).sum(dim=1)
@@ -138,122 +121,125 @@ class SpeculativeGenerator:
         if self.settings.min_len > int(max_lens.min()):
             raise SpecNmtError("--min-len cannot be larger than the maximum output length")
         rng = self.rng(src_tokens.device)
-        # Empty source lines (the appended EOS only) get an empty translation without running
-        # the decoder; a typed "</s>" is text and gets translated, as by SequenceGenerator.
+        batch = self._start(net_input, src_lengths, max_lens)
+        rows = batch.rows
+        while rows.sentences:
+            plan = self._iteration_plan(batch)
+            # 1. draft
+            tree = batch.drafter.propose(batch.drafter_state, rows.tokens, rows.lengths, plan, rng)
+            # 2. score [pending token, tree nodes] in one verifier pass
+            pending = rows.tokens.gather(1, rows.lengths.unsqueeze(1))
+            depths = block_depths(tree)
+            visible = None if plan.is_chain else block_visibility(tree.parents)
+            block = torch.cat([pending, tree.tokens], dim=1)
+            logits = self.verifier.score_logits(batch.verifier_state, block, depths, visible)
+            normalizer = self.constrain(logits, rows.lengths, depths, rows.max_lens)
+            # 3. accept a path, then the correction/bonus token
+            path, n_accepted, next_tokens = self.accept(tree, logits, rng)
+            n_accepted *= rows.live
+            if trace is not None:
+                trace.extend(trace_records(rows, tree, logits, normalizer, path, n_accepted,
+                                           next_tokens, self.settings.beta, self.eos))  # fmt: skip
+            # 4. commit: append, keep [pending, accepted path] in both caches
+            ended = self._commit(batch, plan, tree, logits, normalizer, path, n_accepted,
+                                 next_tokens)  # fmt: skip
+            self._finish(batch, ended)
+        self.stats.sentences += src_tokens.size(0)
+        return batch.finalized
+
+    def _start(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor) -> "BatchDecoding":
+        """Encode the batch and start both states. Empty source lines (the appended EOS only)
+        get an empty translation without running the decoder; a typed "</s>" is text and gets
+        translated, as by SequenceGenerator."""
+        src_tokens = net_input["src_tokens"]
+        bsz = src_tokens.size(0)
         has_source = src_lengths > 1
-        drafter, full_plan = self._drafting(int(has_source.sum()))
+        drafter, plan = self._drafting(int(has_source.sum()))
         if drafter is not self.drafter:
             self.stats.batches_without_drafts += 1
-
-        slack = full_plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
+        slack = plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
         width = int(max_lens.max())
         tokens = src_tokens.new_full((bsz, width + 2 + slack), self.pad)
         tokens[:, 0] = self.eos
         token_scores = torch.zeros(bsz, width + 1 + slack, device=src_tokens.device)
-        finalized: List[List[Dict]] = [[] for _ in range(bsz)]
-
         encoder_out = self.verifier.encode(net_input)
-        verifier_state = self.verifier.start(net_input, encoder_out)
-        drafter_state = drafter.start(net_input, encoder_out)
-        del encoder_out  # the states hold what they need of it
+        batch = BatchDecoding(
+            drafter=drafter, plan=plan, finalized=[[] for _ in range(bsz)],
+            verifier_state=self.verifier.start(net_input, encoder_out),
+            drafter_state=drafter.start(net_input, encoder_out),
+            position_limit=drafter.max_positions() - 1,
+            rows=BatchRows.start(tokens, token_scores, max_lens),
+        )  # fmt: skip
         tokens[~has_source, 1] = self.eos
         for row in (~has_source).nonzero().squeeze(1).tolist():
-            finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
+            batch.finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
             self.stats.output_tokens += 1
-        # From here on every per-sentence tensor has a row per state row; ``sentences`` holds
-        # each state row's sentence in the batch.
+        # From here on every per-sentence tensor has a row per state row
         rows = has_source.nonzero().squeeze(1)
         if rows.numel() < bsz:
-            self._select(drafter, verifier_state, drafter_state, rows)
-            tokens, token_scores, max_lens = tokens[rows], token_scores[rows], max_lens[rows]
-        sentences = rows.tolist()
-        device = tokens.device
-        lengths = tokens.new_zeros(len(sentences))  # verified output tokens per row
-        iterations = torch.zeros_like(lengths)
-        accepted = torch.zeros_like(lengths)
-        drafted = torch.zeros_like(lengths)
-        # Finished rows stay in the states (their results are ignored) until a quarter of them
-        # has finished: copying every cache out for each finished sentence costs more.
-        live = torch.ones_like(lengths, dtype=torch.bool)
-        finished = 0
-        # an upper bound of the longest live prefix: the position limit is checked on the
-        # device only when it could be near
-        longest = 0
-        position_limit = drafter.max_positions() - 1
+            self._select(batch, rows)
+        return batch
 
-        while sentences:
-            depth = full_plan.depth
-            # The drafter cannot look past its own position limit: shrink the drafts near it.
-            if longest + depth > position_limit:
-                longest = int(lengths[live].max())
-                depth = min(depth, max(position_limit - longest, 0))
-            plan = full_plan if depth == full_plan.depth else full_plan.shrink(depth)
-            # 1. draft
-            tree = drafter.propose(drafter_state, tokens, lengths, plan, rng)
-            # 2. score [pending token, tree nodes] in one verifier pass
-            pending = tokens.gather(1, lengths.unsqueeze(1))
-            depths = block_depths(tree)
-            visible = None if plan.is_chain else block_visibility(tree.parents)
-            block = torch.cat([pending, tree.tokens], dim=1)
-            logits = self.verifier.score_logits(verifier_state, block, depths, visible)
-            normalizer = self._constrain(logits, lengths, depths, max_lens)
-            # 3. accept a path, then the correction/bonus token
-            path, n_accepted, next_tokens = self._accept(tree, logits, rng)
-            n_accepted *= live
-            path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
-            if trace is not None:
-                trace.extend(self._trace_records(sentences, live, tokens, lengths, tree, logits,
-                                                 normalizer, path, n_accepted,
-                                                 next_tokens))  # fmt: skip
-            emitted, n_emitted, ended = _emitted_tokens(
-                path_tokens, n_accepted, next_tokens, self.eos
-            )
-            n_emitted *= live
-            # 4. commit: append, keep [pending, accepted path] in both caches
-            kept_entries = torch.cat([torch.zeros_like(pending), path.clamp(min=0) + 1], dim=1)
-            slots = lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=device)
-            tokens.scatter_(1, slots, emitted)
-            state_rows = torch.arange(len(sentences), device=device).unsqueeze(1)
-            emitted_logits = logits[state_rows, kept_entries, emitted]
-            emitted_scores = emitted_logits - normalizer.gather(1, kept_entries)
-            token_scores.scatter_(1, slots - 1, emitted_scores)
-            lengths += n_emitted
-            longest += emitted.size(1)  # no row emits more
-            iterations += live
-            accepted += n_accepted
-            drafted += (tree.valid & live.unsqueeze(1)).sum(dim=1)
-            n_kept = (n_accepted + 1) * live
-            kept = None if plan.is_chain else kept_entries  # a chain keeps its first entries
-            self.verifier.commit(verifier_state, kept, n_kept)
-            drafter.commit(drafter_state, kept, n_kept)
-            self.stats.batched_verifier_calls += 1
-            ended &= live
-            for i in ended.nonzero().squeeze(1).tolist():
-                hypothesis = self._hypothesis(tokens[i], token_scores[i], lengths[i])
-                hypothesis["spec_iterations"] = int(iterations[i])
-                hypothesis["spec_accepted_tokens"] = int(accepted[i])
-                finalized[sentences[i]].append(hypothesis)
-                finished += 1
-            live &= ~ended
-            if finished and 4 * finished >= len(sentences):  # all finished is a quarter too
-                self._count(lengths, iterations, accepted, drafted, ~live)
-                keep = live.nonzero().squeeze(1)
-                live = live[keep]
-                tokens, token_scores, lengths = tokens[keep], token_scores[keep], lengths[keep]
-                iterations, accepted, drafted = iterations[keep], accepted[keep], drafted[keep]
-                max_lens = max_lens[keep]
-                sentences = [sentences[i] for i in keep.tolist()]
-                finished = 0
-                if sentences:
-                    self._select(drafter, verifier_state, drafter_state, keep)
+    def _iteration_plan(self, batch: "BatchDecoding") -> DraftPlan:
+        """The batch's plan, shrunk near the drafter's position limit (it cannot look past it)."""
+        depth = batch.plan.depth
+        if batch.longest + depth > batch.position_limit:
+            rows = batch.rows
+            batch.longest = int(rows.lengths[rows.live].max())
+            depth = min(depth, max(batch.position_limit - batch.longest, 0))
+        return batch.plan if depth == batch.plan.depth else batch.plan.shrink(depth)
 
-        self.stats.sentences += bsz
-        return finalized
+    def _commit(self, batch: "BatchDecoding", plan: DraftPlan, tree: DraftTree, logits: Tensor,
+                normalizer: Tensor, path: Tensor, n_accepted: Tensor,
+                next_tokens: Tensor) -> Tensor:  # fmt: skip
+        """Append each live row's accepted drafts and next token with their scores, and keep
+        [pending, accepted path] in both caches. Returns the rows this iteration finished."""
+        rows = batch.rows
+        path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
+        emitted, n_emitted, ended = _emitted_tokens(path_tokens, n_accepted, next_tokens, self.eos)
+        n_emitted *= rows.live
+        device = emitted.device
+        kept_entries = torch.cat([torch.zeros_like(next_tokens).unsqueeze(1), path.clamp(min=0) + 1],
+                                 dim=1)  # fmt: skip
+        slots = rows.lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=device)
+        rows.tokens.scatter_(1, slots, emitted)
+        state_rows = torch.arange(len(rows.sentences), device=device).unsqueeze(1)
+        emitted_logits = logits[state_rows, kept_entries, emitted]
+        emitted_scores = emitted_logits - normalizer.gather(1, kept_entries)
+        rows.token_scores.scatter_(1, slots - 1, emitted_scores)
+        rows.lengths += n_emitted
+        batch.longest += emitted.size(1)  # no row emits more
+        rows.iterations += rows.live
+        rows.accepted += n_accepted
+        rows.drafted += (tree.valid & rows.live.unsqueeze(1)).sum(dim=1)
+        n_kept = (n_accepted + 1) * rows.live
+        kept = None if plan.is_chain else kept_entries  # a chain keeps its first entries
+        self.verifier.commit(batch.verifier_state, kept, n_kept)
+        batch.drafter.commit(batch.drafter_state, kept, n_kept)
+        self.stats.batched_verifier_calls += 1
+        return ended & rows.live
 
-    def _count(self, lengths: Tensor, iterations: Tensor, accepted: Tensor, drafted: Tensor,
-               finished_rows: Tensor) -> None:  # fmt: skip
+    def _finish(self, batch: "BatchDecoding", ended: Tensor) -> None:
+        """Finalize the rows that ended. Finished rows stay in the states (their results are
+        ignored) until a quarter of them has finished: copying every cache out for each finished
+        sentence costs more."""
+        rows = batch.rows
+        for i in ended.nonzero().squeeze(1).tolist():
+            hypothesis = self._hypothesis(rows.tokens[i], rows.token_scores[i], rows.lengths[i])
+            hypothesis["spec_iterations"] = int(rows.iterations[i])
+            hypothesis["spec_accepted_tokens"] = int(rows.accepted[i])
+            batch.finalized[rows.sentences[i]].append(hypothesis)
+            batch.finished += 1
+        rows.live &= ~ended
+        if batch.finished and 4 * batch.finished >= len(rows.sentences):  # all is a quarter too
+            self._count(rows, ~rows.live)
+            keep = rows.live.nonzero().squeeze(1)
+            batch.finished = 0
+            self._select(batch, keep)
+
+    def _count(self, rows: "BatchRows", finished_rows: Tensor) -> None:
         """Add the rows that ``finished_rows`` (a mask) marks to the statistics."""
-        per_row = (lengths, iterations, accepted, drafted)
+        per_row = (rows.lengths, rows.iterations, rows.accepted, rows.drafted)
         totals = torch.stack([counts[finished_rows].sum() for counts in per_row])
         output_tokens, iteration_count, accepted_tokens, drafted_tokens = totals.tolist()
         self.stats.output_tokens += output_tokens
@@ -261,41 +247,10 @@ class SpeculativeGenerator:
         self.stats.accepted_tokens += accepted_tokens
         self.stats.drafted_tokens += drafted_tokens
 
-    def _accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator):
+    def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator):
         """(path [B, depth] of accepted node indices padded with -1, n_accepted [B],
         next token [B]) under the configured rule, from the block's constrained logits."""
         return RULES[self.verify].accept(tree, logits, self.settings, self.eos, rng)
-
-    def _trace_records(self, sentences, live, tokens, lengths, tree, logits, normalizer, path,
-                       n_accepted, next_tokens):  # fmt: skip
-        """What one iteration did for each unfinished state row (``sentences``: each one's
-        sentence in the batch), as plain Python data: the verified
-        prefix, the draft tree, the verifier's best candidates at every block entry (its beta
-        best, at least 3) with log-probs, the accepted path and the correction/bonus token."""
-        n_best = min(max(self.settings.beta, 3), logits.size(2))
-        best_logits, best_tokens = logits.topk(n_best, dim=2)
-        best_logprobs = best_logits - normalizer.unsqueeze(2)
-        records = []
-        for i, sentence in enumerate(sentences):
-            if not live[i]:
-                continue
-            n = int(n_accepted[i])
-            accepted = path[i, :n].tolist()
-            # a bonus token follows an entry without children to try; else a correction
-            leaf = _is_leaf(tree, i, accepted[-1] if n else -1)
-            records.append(IterationRecord(
-                sentence=sentence,
-                prefix=tokens[i, 1 : int(lengths[i]) + 1].tolist(),
-                draft_tokens=tree.tokens[i].tolist(),
-                draft_parents=tree.parents[i].tolist(),
-                candidates=best_tokens[i].tolist(),
-                candidate_logprobs=best_logprobs[i].float().tolist(),
-                accepted_path=accepted,
-                next_token=int(next_tokens[i]),
-                next_kind="bonus" if leaf else "correction",
-                ended_by_accepted_eos=bool(n and tree.tokens[i, accepted[-1]] == self.eos),
-            ))  # fmt: skip
-        return records
 
     def _drafting(self, sentences: int) -> Tuple[Drafter, DraftPlan]:
         """(drafter, draft plan) for a batch of this many sentences to translate: no drafts
@@ -306,10 +261,12 @@ class SpeculativeGenerator:
             return self.no_drafter, DraftPlan.chain(0, sample=self.plan.sample)
         return self.drafter, self.plan
 
-    def _select(self, drafter, verifier_state, drafter_state, keep: Tensor) -> None:
-        """Keep only rows ``keep`` in the verifier's and ``drafter``'s states."""
-        self.verifier.select_rows(verifier_state, keep)
-        drafter.select_rows(drafter_state, keep)
+    def _select(self, batch: "BatchDecoding", keep: Tensor) -> None:
+        """Keep only rows ``keep`` of the batch: its per-row tensors and both states."""
+        batch.rows.select(keep)
+        if batch.rows.sentences:
+            self.verifier.select_rows(batch.verifier_state, keep)
+            batch.drafter.select_rows(batch.drafter_state, keep)
 
     def _max_lengths(self, src_lengths: Tensor) -> Tensor:
         """Each sentence's output length limit, max_len_a * its source length + max_len_b, in
@@ -320,7 +277,7 @@ class SpeculativeGenerator:
         limits = [min(int(a * length + b), self.max_len - 1) for length in src_lengths.tolist()]
         return torch.tensor(limits, device=src_lengths.device)
 
-    def _constrain(
+    def constrain(
         self, logits: Tensor, lengths: Tensor, depths: Tensor, max_lens: Tensor
     ) -> Tensor:
         """Make in ``logits`` [B, W, V] the adjustments SequenceGenerator makes to every step's
@@ -365,11 +322,6 @@ class SpeculativeGenerator:
             logger.info(self.stats.summary())
 
 
-def _is_leaf(tree: DraftTree, row: int, node: int) -> bool:
-    """Whether a node (-1: the root) of a row's draft tree has no valid children."""
-    return not bool((tree.parents[row].eq(node) & tree.valid[row]).any())
-
-
 def _emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos: int):
     """What an iteration appends to each row, given the drafts along the accepted path [B, k]
     (the first n_accepted count): tokens [B, k+1] (the accepted drafts, then the
@@ -382,3 +334,50 @@ def _emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos
     eos_accepted = (drafts.eq(eos) & accepted_mask).any(dim=1)
     ended = eos_accepted | next_tokens.eq(eos)
     return emitted, n_accepted + (~eos_accepted).long(), ended
+
+
+@dataclass
+class BatchRows:
+    """A batch's per-row decoding tensors, one row per state row; ``sentences`` holds each state
+    row's sentence in the batch."""
+
+    sentences: List[int]
+    tokens: Tensor  # [B, T]: BOS, then the verified output
+    token_scores: Tensor  # [B, T - 1]
+    max_lens: Tensor  # [B]
+    lengths: Tensor  # [B] verified output tokens
+    iterations: Tensor
+    accepted: Tensor
+    drafted: Tensor
+    live: Tensor  # [B] bool: not finished
+
+    @classmethod
+    def start(cls, tokens: Tensor, token_scores: Tensor, max_lens: Tensor) -> "BatchRows":
+        lengths = tokens.new_zeros(tokens.size(0))
+        return cls(list(range(tokens.size(0))), tokens, token_scores, max_lens, lengths,
+                   torch.zeros_like(lengths), torch.zeros_like(lengths), torch.zeros_like(lengths),
+                   torch.ones_like(lengths, dtype=torch.bool))  # fmt: skip
+
+    def select(self, keep: Tensor) -> None:
+        """Keep only rows ``keep``, in place."""
+        for name in ("tokens", "token_scores", "max_lens", "lengths", "iterations", "accepted",
+                     "drafted", "live"):  # fmt: skip
+            setattr(self, name, getattr(self, name)[keep])
+        self.sentences = [self.sentences[i] for i in keep.tolist()]
+
+
+@dataclass
+class BatchDecoding:
+    """What decoding one batch carries from iteration to iteration."""
+
+    drafter: Drafter
+    plan: DraftPlan
+    finalized: List[List[Dict]]
+    verifier_state: object
+    drafter_state: object
+    position_limit: int  # the drafter's last position
+    rows: BatchRows
+    finished: int = 0  # rows finished since the states were last compacted
+    # an upper bound of the longest live prefix: the position limit is checked on the device
+    # only when it could be near
+    longest: int = 0

@@ -159,19 +159,9 @@ class BlockScorer:
                                 self._positions(span))
         self._reserve(state, span, x)
         uniform = lowest == highest  # always at batch 1
-        if uniform:
-            # every row sees its whole committed prefix: only the uncommitted columns vary
-            committed = lowest - state.uncommitted
-            bias = x.new_zeros(visible.size(0), 1, width, span)
-            bias[:, 0, :, committed:].masked_fill_(~visible, float("-inf"))
-        else:
+        bias = _attention_bias(state, visible, lowest if uniform else None, span, x.dtype)
+        if not uniform:
             slots = first_slot.unsqueeze(1) + torch.arange(width, device=device)  # [B, W]
-            relative = torch.arange(span, device=device) - state.fed_lengths.unsqueeze(1)
-            in_block = (relative >= 0) & (relative < entries)  # [B, span]
-            entry = relative.clamp(0, entries - 1).unsqueeze(1).expand(-1, width, -1)
-            block_seen = visible.expand(batch, -1, -1).gather(2, entry)
-            seen = torch.where(in_block.unsqueeze(1), block_seen, (relative < 0).unsqueeze(1))
-            bias = block_forward.additive_mask(seen, x.dtype)  # [B, 1, W, span]
 
         def write(cache: Tensor, new: Tensor) -> None:  # new [B, heads, W, head_dim]
             if uniform:
@@ -266,3 +256,25 @@ class BlockScorer:
             length = min(max(length, 256), limit)
             self._position_table = block_forward.position_table(self.decoder, length)
         return self._position_table
+
+
+def _attention_bias(state: ScorerState, visible: Tensor, first_slot: Optional[int], span: int,
+                    dtype: torch.dtype) -> Tensor:  # fmt: skip
+    """A block's additive self-attention mask over the first ``span`` cache slots: each row's
+    committed prefix, then the uncommitted entries ``visible`` [B or 1, W, U+W] marks.
+    ``first_slot``: where every row's block starts when that is the same for all rows (always
+    at batch 1), else None. [B or 1, 1, W, span]."""
+    width = visible.size(1)
+    if first_slot is not None:
+        # every row sees its whole committed prefix: only the uncommitted columns vary
+        committed = first_slot - state.uncommitted
+        bias = torch.zeros(visible.size(0), 1, width, span, dtype=dtype, device=visible.device)
+        bias[:, 0, :, committed:].masked_fill_(~visible, float("-inf"))
+        return bias
+    entries = state.uncommitted + width
+    relative = torch.arange(span, device=visible.device) - state.fed_lengths.unsqueeze(1)
+    in_block = (relative >= 0) & (relative < entries)  # [B, span]
+    entry = relative.clamp(0, entries - 1).unsqueeze(1).expand(-1, width, -1)
+    block_seen = visible.expand(relative.size(0), -1, -1).gather(2, entry)
+    seen = torch.where(in_block.unsqueeze(1), block_seen, (relative < 0).unsqueeze(1))
+    return block_forward.additive_mask(seen, dtype)  # [B, 1, W, span]
