@@ -32,7 +32,7 @@ from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.text import join_sentences, split_sentences
-from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION
+from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, load_drafter
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from spec_nmt.text import cut_to_limit
 
@@ -88,7 +88,7 @@ class SpecTranslator:
         verifier = _load_verifier(model_dir / "verifier.pt", task)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         verifier = verifier.to(device=device, dtype=torch.float32).eval()
-        drafter = task.load_drafter(str(drafter_path), verifier)
+        drafter = load_drafter(task, str(drafter_path), verifier)
         spm_model = _load_sentencepiece(model_dir / "spm.model", task.source_dictionary,
                                         model_dir / f"dict.{source_lang}.txt")  # fmt: skip
         return cls(task, verifier, drafter, spm_model, defaults)

@@ -198,15 +198,15 @@ def test_acceptance_can_be_measured_on_the_first_sentences_only(pair):
     first = len(dataset) // 3
     only_first = dataset.collater([dataset[i] for i in range(first)])
     assert task.cfg.eval_acceptance_sentences == 0  # the default: every sentence
-    all_counts = task._acceptance_counts(everything, drafter)
-    expected = task._acceptance_counts(only_first, drafter)
+    all_counts = task.acceptance.counts(everything, drafter)
+    expected = task.acceptance.counts(only_first, drafter)
     try:
         task.cfg.eval_acceptance_sentences = first
-        assert task._acceptance_counts(everything, drafter) == expected
-        assert task._acceptance_counts(only_first, drafter) == expected
+        assert task.acceptance.counts(everything, drafter) == expected
+        assert task.acceptance.counts(only_first, drafter) == expected
         later = dataset.collater([dataset[i] for i in range(first, len(dataset))])
         # none selected: zeros under the same keys (DDP sums every worker's keys together)
-        assert task._acceptance_counts(later, drafter) == {key: 0 for key in expected}
+        assert task.acceptance.counts(later, drafter) == {key: 0 for key in expected}
     finally:
         task.cfg.eval_acceptance_sentences = 0
     assert expected["_accepted_lossless_iterations"] < all_counts["_accepted_lossless_iterations"]

@@ -19,7 +19,6 @@ from fairseq.search import Sampling
 from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.decoding import rules as rules_module
-from spec_nmt.decoding import tree as tree_module
 from spec_nmt.drafters.ar_drafter import ArDrafter
 from spec_nmt.drafters.spec_drafter import NarDrafter, restrict_output
 from spec_nmt.settings import DecodingSettings
@@ -188,7 +187,7 @@ def keep_first_child(tree, verifier_probs, eos, generator=None):
     """Broken RSD: walk down the first child of every node while the verifier allows it."""
     rows = torch.arange(tree.tokens.size(0))
     depth = int(tree.depths.max())
-    children = tree_module.children_table(tree)
+    children = rules_module.children_table(tree)
     path = torch.full((len(rows), depth), -1, dtype=torch.long)
     current = torch.zeros(len(rows), dtype=torch.long)
     walking = torch.ones(len(rows), dtype=torch.bool)

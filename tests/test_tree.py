@@ -6,7 +6,7 @@ from fairseq.data import Dictionary
 from fairseq.search import Sampling
 
 from spec_nmt.decoding import tree as trees
-from spec_nmt.decoding import verify
+from spec_nmt.decoding import rules
 from spec_nmt.settings import DraftPlan
 from spec_nmt.decoding.drafter import grow_tree
 from spec_nmt.decoding.rules import residual, sampling_probs, speculative_sample
@@ -49,7 +49,7 @@ def test_a_chain_is_causal():
 def test_children_table_keeps_draw_order_and_skips_empty_slots():
     valid = torch.tensor([[True, True, True, False, True, True]])
     tree = trees.DraftTree(torch.arange(6).unsqueeze(0), PARENTS, DEPTHS, valid)
-    table = trees.children_table(tree)[0].tolist()
+    table = rules.children_table(tree)[0].tolist()
     assert table == [[0, 1], [2, -1], [4, -1], [5, -1], [-1, -1], [-1, -1], [-1, -1]]
 
 
@@ -169,7 +169,7 @@ def hand_built_case(samples, seed):
 def test_recursive_rejection_recovers_q_on_a_hand_built_tree():
     samples = 40000
     tree, q, generator, q_root, q_child = hand_built_case(samples, 0)
-    path, n_accepted, next_tokens = trees.recursive_rejection(tree, q, eos=99, generator=generator)
+    path, n_accepted, next_tokens = rules.recursive_rejection(tree, q, eos=99, generator=generator)
     assert n_accepted.float().mean() > 0.5  # drafts do get accepted
     path_tokens = tree.tokens.gather(1, path.clamp(min=0))
     counts = joint_counts(path_tokens, next_tokens, n_accepted, q_child, generator)
@@ -182,12 +182,12 @@ def test_recursive_rejection_without_residuals_is_detected():
     samples = 40000
     tree, q, generator, q_root, q_child = hand_built_case(samples, 1)
     # Try every sibling against the unchanged q (no residual after a rejection).
-    original_residual = trees.residual
+    original_residual = rules.residual
     try:
-        trees.residual = lambda q_, p_: q_
-        path, n_accepted, next_tokens = trees.recursive_rejection(tree, q, 99, generator)
+        rules.residual = lambda q_, p_: q_
+        path, n_accepted, next_tokens = rules.recursive_rejection(tree, q, 99, generator)
     finally:
-        trees.residual = original_residual
+        rules.residual = original_residual
     path_tokens = tree.tokens.gather(1, path.clamp(min=0))
     counts = joint_counts(path_tokens, next_tokens, n_accepted, q_child, generator)
     expected = (q_root.unsqueeze(1) * q_child).flatten()
@@ -242,18 +242,18 @@ def test_greedy_tree_acceptance_follows_the_verifiers_picks():
                            torch.ones(1, 6, dtype=torch.bool))  # fmt: skip
     # entries: root, nodes 0..5; the best token at each entry
     scores = scores_with_best([4, 5, 7, 1, 1, 1, 1])
-    path, n_accepted, next_tokens = trees.accept_top_beta_tree(tree, scores, 1, 0.0, EOS)
+    path, n_accepted, next_tokens = rules.accept_top_beta_tree(tree, scores, 1, 0.0, EOS)
     assert path.tolist() == [[1, 4, -1]] and n_accepted.tolist() == [2]
     assert next_tokens.tolist() == [1]  # the verifier's pick after node 4 (entry 5)
     # the root's pick is in no child: nothing accepted, the pick follows (a correction)
-    path, n_accepted, next_tokens = trees.accept_top_beta_tree(
+    path, n_accepted, next_tokens = rules.accept_top_beta_tree(
         tree, scores_with_best([6, 5, 7, 1, 1, 1, 1]), 1, 0.0, EOS
     )
     assert n_accepted.tolist() == [0] and path.tolist() == [[-1, -1, -1]]
     assert next_tokens.tolist() == [6]
     # an empty slot is never accepted, even holding the verifier's pick
     empty = tree._replace(valid=torch.tensor([[True, False, True, True, True, True]]))
-    _, n_accepted, next_tokens = trees.accept_top_beta_tree(empty, scores, 1, 0.0, EOS)
+    _, n_accepted, next_tokens = rules.accept_top_beta_tree(empty, scores, 1, 0.0, EOS)
     assert n_accepted.tolist() == [0] and next_tokens.tolist() == [4]
 
 
@@ -265,15 +265,15 @@ def test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child():
     # root: best 4 (node 1), runner-up 3 (node 0); node 0's entry: best 5 (node 2); node 1's
     # entry: best 1 (no child holds it), runner-up 7 (node 4); node 2's entry: best 0 (node 5)
     scores = scores_with_best([4, 5, 1, 0, 1, 1, 1], runner_up=[3, None, 7, None, None, None, None])
-    path, n_accepted, next_tokens = trees.accept_top_beta_tree(tree, scores, 2, 1.0, EOS)
+    path, n_accepted, next_tokens = rules.accept_top_beta_tree(tree, scores, 2, 1.0, EOS)
     assert path[0, :2].tolist() == [1, 4] and n_accepted.tolist() == [2]  # 4 beats 3 at the root
     assert next_tokens.tolist() == [1]
-    _, n_accepted, next_tokens = trees.accept_top_beta_tree(tree, scores, 2, 0.25, EOS)
+    _, n_accepted, next_tokens = rules.accept_top_beta_tree(tree, scores, 2, 0.25, EOS)
     assert n_accepted.tolist() == [1] and next_tokens.tolist() == [1]  # node 4 is 0.5 below
     # the root's best is no child's token: its runner-up child (node 0) passes with beta 2
     scores[0, 0, 4] = -10.0
     scores[0, 0, 6] = 0.0
-    path, n_accepted, _ = trees.accept_top_beta_tree(tree, scores, 2, 1.0, EOS)
+    path, n_accepted, _ = rules.accept_top_beta_tree(tree, scores, 2, 1.0, EOS)
     assert path[0].tolist() == [0, 2, 5] and n_accepted.tolist() == [3]
 
 
@@ -281,7 +281,7 @@ def test_greedy_tree_acceptance_stops_after_an_accepted_eos():
     tree = trees.DraftTree(torch.tensor([[EOS, 4, 5, 6, 7, 0]]), PARENTS, DEPTHS,
                            torch.ones(1, 6, dtype=torch.bool))  # fmt: skip
     scores = scores_with_best([EOS, 5, 1, 1, 7, 1, 1])  # node 0's child 5 would pass too
-    path, n_accepted, _ = trees.accept_top_beta_tree(tree, scores, 1, 0.0, EOS)
+    path, n_accepted, _ = rules.accept_top_beta_tree(tree, scores, 1, 0.0, EOS)
     assert path[0].tolist() == [0, -1, -1] and n_accepted.tolist() == [1]
 
 
@@ -292,8 +292,8 @@ def test_greedy_tree_acceptance_on_a_chain_equals_the_chain_rule():
         scores = torch.randn(64, 5, 6)
         runner_up = (torch.rand(64, 4) < 0.3).long().unsqueeze(2)  # else the best token
         drafts = scores[:, :4].topk(2, dim=-1).indices.gather(2, runner_up).squeeze(2)
-        n_chain, next_chain = verify.accept_top_beta(drafts, scores, beta, tau, EOS)
-        path, n_tree, next_tree = trees.accept_top_beta_tree(trees.chain(drafts), scores, beta,
+        n_chain, next_chain = rules.accept_top_beta(drafts, scores, beta, tau, EOS)
+        path, n_tree, next_tree = rules.accept_top_beta_tree(trees.chain(drafts), scores, beta,
                                                              tau, EOS)  # fmt: skip
         assert torch.equal(n_tree, n_chain) and torch.equal(next_tree, next_chain)
         assert n_chain.min() == 0 and n_chain.max() >= 2  # both outcomes occur
@@ -303,11 +303,11 @@ def test_rules_without_drafts_give_the_verifiers_own_token():
     """A tree of no nodes (a drafter with nothing to draft yet): no path, the verifier's token."""
     empty = trees.chain(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 1, 6))
     scores = torch.tensor([[[0.0, 3.0, 1.0, 0.0, 0.0, 0.0]], [[5.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
-    path, n_accepted, next_tokens = trees.accept_top_beta_tree(empty, scores, 1, 0.0, EOS)
+    path, n_accepted, next_tokens = rules.accept_top_beta_tree(empty, scores, 1, 0.0, EOS)
     assert path.shape == (2, 0) and n_accepted.tolist() == [0, 0]
     assert next_tokens.tolist() == [1, 0]
     one_hot = torch.nn.functional.one_hot(torch.tensor([[1], [0]]), 6).float()
-    path, n_accepted, next_tokens = trees.recursive_rejection(empty, one_hot, EOS)
+    path, n_accepted, next_tokens = rules.recursive_rejection(empty, one_hot, EOS)
     assert path.shape == (2, 0) and next_tokens.tolist() == [1, 0]
 
 
@@ -398,11 +398,11 @@ def test_beam_tree_acceptance_follows_parents_across_the_level():
     # entries: root, nodes 0..3; node 0's entry would pick 6 (node 3), but node 0 is rejected
     scores = scores_with_best([4, 6, 5, 1, 1])
     for beta, tau in ((1, 0.0), (2, 1.0)):
-        path, n_accepted, next_tokens = trees.accept_top_beta_tree(tree, scores, beta, tau, EOS)
+        path, n_accepted, next_tokens = rules.accept_top_beta_tree(tree, scores, beta, tau, EOS)
         assert path.tolist() == [[1, 2]] and n_accepted.tolist() == [2]
         assert next_tokens.tolist() == [1]
     # node 1's entry picks 6, which hangs below node 0: node 1 is accepted, node 3 is not
-    path, n_accepted, next_tokens = trees.accept_top_beta_tree(
+    path, n_accepted, next_tokens = rules.accept_top_beta_tree(
         tree, scores_with_best([4, 6, 6, 1, 1]), 1, 0.0, EOS
     )
     assert path.tolist() == [[1, -1]] and n_accepted.tolist() == [1]
@@ -420,7 +420,7 @@ def test_beam_tree_leaves_empty_slots_below_a_drafted_eos_and_may_be_empty():
     assert tree.valid.tolist() == [[True, False, False], [True, True, True]]
     assert tree.parents.tolist() == [[-1, 0, 1], [-1, 0, 1]]
     scores = scores_with_best([EOS, 1, 1, 1])
-    _, n_accepted, _ = trees.accept_top_beta_tree(tree._replace(tokens=tree.tokens[:1],
+    _, n_accepted, _ = rules.accept_top_beta_tree(tree._replace(tokens=tree.tokens[:1],
                                                                 parents=tree.parents[:1],
                                                                 valid=tree.valid[:1]),
                                                   scores, 1, 0.0, EOS)  # fmt: skip

@@ -249,7 +249,7 @@ def accept_top_beta_tree(
     tau: float,
     eos: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """The top-beta/tau rule (verify.accept_top_beta) down a tree of greedy drafts.
+    """The top-beta/tau rule (accept_top_beta) down a tree of greedy drafts.
 
     From the root, a child passes when its token is among the verifier's ``beta`` best at its
     parent's entry and within ``tau`` of the best log-prob there; of the passing children the one

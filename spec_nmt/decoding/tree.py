@@ -9,7 +9,7 @@ Sampled siblings are drawn *without replacement* (Gumbel-top-k, or stochastic be
 whole sequences, Kool et al., 2019) and stored in the order they were drawn, which is the order
 recursive rejection sampling (Jeon et al., 2024) tries them in; greedy trees (top-beta/tau) hold
 the drafter's best tokens, best first, or the sequences beam search over the drafter keeps.
-Letters as in verify.py: p is the drafter, q the verifier.
+Letters as in rules.py: p is the drafter, q the verifier.
 """
 
 import functools
