@@ -6,7 +6,7 @@ shape happen here, once.
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from spec_nmt.decoding.drafters import DraftPlan
@@ -20,13 +20,21 @@ class DecodingSettings:
     """What a speculative generator needs to know besides its models."""
 
     # the rule and the drafts
-    verify: str = "top_beta"  # top_beta | sampling | rsd
-    # k: drafted tokens per iteration (tree depth for rsd; 0: no drafts, the verifier alone on
-    # the same loop). With the bundled pair 2 and 3 are the fastest k > 0, 5 and 10 slower
+    verify: str = field(default="top_beta", metadata={"help": (
+        "acceptance rule: top_beta (greedy drafts judged by --beta and --tau; lossless with the "
+        "defaults), sampling (speculative sampling of a chain: samples exactly from the "
+        "verifier) or rsd (recursive rejection sampling over a draft tree, as exact)")})
+    # With the bundled pair 2 and 3 are the fastest k > 0, 5 and 10 slower
     # (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
-    block_size: int = 3
-    beta: int = 1  # top-beta: a draft must be among the verifier's beta best ...
-    tau: float = 0.0  # ... and within tau of the best log-prob (1 / 0: lossless)
+    block_size: int = field(default=3, metadata={"help": (
+        "k: drafted tokens per iteration (tree depth for rsd); 0: no drafts, the verifier alone "
+        "on the same loop")})
+    beta: int = field(default=1, metadata={"help": (
+        "top-beta rule: a draft must be among the verifier's beta best tokens (1: its best, "
+        "which makes the output the verifier's greedy translation whatever --tau)")})
+    tau: float = field(default=0.0, metadata={"help": (
+        "top-beta rule: a draft's log-probability must also be at most tau below the best "
+        "token's, in nats (natural log)")})
     # children per node at each depth: rsd's RSD-C tree, or a tree of the drafter's best tokens
     # for top_beta (chains without it or tree_budget)
     tree_branching: Optional[str] = None
@@ -39,12 +47,20 @@ class DecodingSettings:
     # in a batch (BENCHMARKS.md). None: 1 for the rules whose translations do not depend on the
     # drafts (lossless top-beta, sampling and rsd: the same distribution), no limit for a
     # relaxed top-beta/tau, whose drafts decide its translations; 0: no limit
-    max_draft_batch: Optional[int] = None
+    max_draft_batch: Optional[int] = field(default=None, metadata={"help": (
+        "the most sentences a batch may have and still draft; larger batches decode with the "
+        "verifier alone (0: draft in every batch; default: 1 for the lossless rule and the "
+        "sampling rules, no limit for a relaxed --beta/--tau)")})
     # sampling (rules sampling and rsd)
-    temperature: float = 1.0
-    sampling_topk: int = -1
-    sampling_topp: float = -1.0
-    seed: int = 1
+    temperature: float = field(default=1.0, metadata={"help": (
+        "sampling rules: the verifier's logits are divided by it (below 1: closer to greedy)")})
+    sampling_topk: int = field(default=-1, metadata={"help": (
+        "sampling rules: sample among the k most probable tokens only (-1: all)")})
+    sampling_topp: float = field(default=-1.0, metadata={"help": (
+        "sampling rules: sample among the most probable tokens whose probabilities add up to p "
+        "(-1: all)")})
+    seed: int = field(default=1, metadata={"help": (
+        "sampling rules: the random seed; equal seeds give equal samples")})
     # output length and scores, in fairseq's generation terms
     max_len_a: float = 1.2  # an output may have max_len_a * source length + max_len_b tokens
     max_len_b: int = 10
@@ -173,7 +189,18 @@ class DecodingSettings:
 
 
 def names() -> List[str]:
-    return [field.name for field in dataclasses.fields(DecodingSettings)]
+    return [setting.name for setting in dataclasses.fields(DecodingSettings)]
+
+
+def flag_help(name: str, with_default: bool = True) -> str:
+    """A setting's help text for its command-line flag, with its default unless that is None
+    (a default that depends on other settings, which the text explains)."""
+    setting = next(s for s in dataclasses.fields(DecodingSettings) if s.name == name)
+    text = setting.metadata["help"]
+    if with_default and setting.default is not None:
+        shown = f"{setting.default:g}" if isinstance(setting.default, float) else setting.default
+        text += f" (default: {shown})"
+    return text
 
 
 # The default largest drafting batch of the rules whose translations the drafts cannot change:
