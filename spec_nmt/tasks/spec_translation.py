@@ -41,6 +41,7 @@ from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.verifier import TransformerVerifier
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.settings import DEFAULTS, DecodingSettings
+from spec_nmt.drafter_checks import refuse_the_verifier_as_drafter
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.models.cached_drafter import CachedDrafterModel
 from spec_nmt.models.heads_drafter import HeadsDrafterModel
@@ -450,6 +451,8 @@ class SpecTranslationTask(TranslationTask):
                 )
         vocabulary = read_draft_vocabulary(state, path, self.target_dictionary, autoregressive)
         model = self._load_beside(path, state, verifier_model)
+        if autoregressive:
+            refuse_the_verifier_as_drafter(model, verifier_model, path)
         if isinstance(model, CachedDrafterModel):
             model.check_verifier_matches(verifier_model)
             # its copy of the verifier's decoder only trains: decoding reads the verifier's states
