@@ -37,10 +37,14 @@ class DecodingSettings:
         "token's, in nats (natural log)")})
     # children per node at each depth: rsd's RSD-C tree, or a tree of the drafter's best tokens
     # for top_beta (chains without it or tree_budget)
-    tree_branching: Optional[str] = None
+    tree_branching: Optional[str] = field(default=None, metadata={"help": (
+        "a draft tree instead of a chain: children per node at each depth, e.g. 3,2,2,1 "
+        "(top_beta: the drafter's best tokens; rsd: drawn tokens, RSD-C)")})
     # nodes per iteration, grown by beam search over the drafter's sequences (stochastic for
     # rsd: RSD-S); block_size levels of tree_budget // block_size nodes each
-    tree_budget: int = 0
+    tree_budget: int = field(default=0, metadata={"help": (
+        "a draft tree grown by beam search over the drafter's sequences: nodes per iteration, "
+        "block-size levels of tree-budget // block-size nodes (rsd: stochastic, RSD-S; 0: none)")})
     adaptive_block: bool = False  # chains: k per sentence from its acceptance, at most block_size
     # the most sentences a batch may have and still draft; a larger batch decodes with the
     # verifier alone on the same loop, since the bundled pair's drafts cost more than they earn
