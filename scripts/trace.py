@@ -150,7 +150,8 @@ def render(translator, sentences, settings) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", type=Path,
-                        help="verifier.pt, drafter.pt, dict.*.txt, spm.model (as for spec-nmt-translate)")
+                        help="verifier.pt, drafter.pt, dict.*.txt, spm.model, as for "
+                        "spec-nmt-translate")
     parser.add_argument("sentences", nargs="+", help="source sentences (raw text)")
     parser.add_argument("--output", "-o", type=Path, default=Path("trace.html"),
                         help="the HTML page to write (default: %(default)s)")

@@ -186,8 +186,8 @@ class Totals:
             if line["sentences"]:  # (a line's score is the mean of its sentences')
                 self.score_sum += line["score"] * line["sentences"]
         for name in (f.name for f in fields(DecodingStats)):
-            setattr(self.decoding, name,
-                    getattr(self.decoding, name) + getattr(translator.decoding_stats, name))  # fmt: skip
+            total = getattr(self.decoding, name) + getattr(translator.decoding_stats, name)
+            setattr(self.decoding, name, total)
 
 
 def decoder(translator: SpecTranslator) -> Callable[..., List[str]]:
