@@ -6,6 +6,7 @@
     translator.translate(["Guten Morgen.", "Wie geht es dir? Gut."], batch_size=32)
     translator.sample("Guten Morgen.", temperature=0.7, verify="rsd", tree_branching="2,1,1")
     translator.statistics  # per line of the last call: sentences, iterations, accepted tokens, ...
+    translator.decoding_stats  # the last call's totals: drafted, accepted, batches without drafts
 
 Each input line may hold several sentences: it is split into sentences, which are translated in
 batches, and their translations are joined into one output line (split_sentences=False sends each
@@ -249,7 +250,8 @@ class SpecTranslator:
             for key in ("iterations", "accepted_tokens", "output_tokens"):
                 line_statistics[key] += statistics[i][key]
         for line_statistics, score_sum in zip(self.statistics, score_sums):
-            # a line's score is its sentences' mean score (per-token log-prob); None when blank
+            # a line's score is its sentences' mean score (the verifier's log-prob per output
+            # token, EOS included, in nats, with the default lenpen 1); None when blank
             if line_statistics["sentences"]:
                 line_statistics["score"] = score_sum / line_statistics["sentences"]
         self.decoding_stats = generator.stats
