@@ -97,9 +97,9 @@ converged() {
 
 # train NAME [--then STEP] LEARNING_CURVE_FLAGS -- COMMAND...: run COMMAND (logged to
 # WORK/NAME/train.log) until the stage has converged, unless it finished before; then STEP (a
-# function) when given: the stage is FINISHED only once STEP has succeeded, so a rerun after a
-# failed STEP runs it again. LEARNING_CURVE_FLAGS tell learning_curve.py which validation metric
-# decides and which ones FINISHED shows.
+# function, which must skip work it finds done) when given: the stage is FINISHED only once STEP
+# has succeeded, so a rerun after a failed STEP runs it again. LEARNING_CURVE_FLAGS tell
+# learning_curve.py which validation metric decides and which ones FINISHED shows.
 train() {
   local dir=$WORK/$1 metric=() status=0 ends=0 now then=""
   shift
@@ -107,7 +107,13 @@ train() {
   while [ "$1" != "--" ]; do metric+=("$1"); shift; done
   shift
   mkdir -p "$dir"
-  if [ -f "$dir/FINISHED" ]; then log "$dir: finished before"; return; fi
+  if [ -f "$dir/FINISHED" ]; then
+    log "$dir: finished before"
+    # STEP too, if given: campaigns before --then wrote FINISHED before it ran (STEP skips work
+    # it finds done)
+    if [ -n "$then" ]; then "$then"; fi
+    return
+  fi
   # a stop during fairseq's copies to checkpoint_last.pt / checkpoint_best.pt must not end,
   # restart or set back the stage, nor leave the next step a cut file
   python "$SCRIPTS/repair_checkpoints.py" "$dir"
@@ -160,8 +166,9 @@ main() {
   local bleu_args
   bleu_args=$(python -c 'import json; from spec_nmt.decoding.settings import DEFAULTS
 print(json.dumps({"beam": 1, "max_len_a": DEFAULTS.max_len_a, "max_len_b": DEFAULTS.max_len_b}))')
-  train verifier --then finish_verifier -- "$SCRIPTS/train_verifier.sh" "$DATA_BIN" "$WORK/verifier" small \
-    "${epochs[@]}" --eval-bleu --eval-bleu-args "$bleu_args" --eval-bleu-remove-bpe sentencepiece
+  train verifier --then finish_verifier -- \
+    "$SCRIPTS/train_verifier.sh" "$DATA_BIN" "$WORK/verifier" small "${epochs[@]}" \
+    --eval-bleu --eval-bleu-args "$bleu_args" --eval-bleu-remove-bpe sentencepiece
 
   local verifier=$WORK/verifier/checkpoint_final.pt
 

@@ -115,6 +115,19 @@ def test_a_converged_stage_is_stopped_and_the_campaign_goes_on(tmp_path, cleanup
     assert not (tmp_path / "work" / "verifier" / "FINISHED").exists()
 
 
+def test_a_verifier_stage_finished_without_its_finishing_step_gets_it(tmp_path):
+    """A WORK_DIR whose verifier stage an older campaign marked FINISHED before
+    finish_verifier.py ran: the step runs (and here fails: no checkpoints), training does not."""
+    stage = tmp_path / "work" / "verifier"
+    stage.mkdir(parents=True)
+    (stage / "FINISHED").write_text("learning curve\n")
+    run = campaign(tmp_path, stand_in(tmp_path, [5.0], then="exit 3"))
+    out, err = finish(run, 120)
+    assert "finished before" in out and "training" not in out.split("finished before")[1]
+    assert "averaging the verifier's last 5 checkpoints" in out
+    assert run.returncode != 0 and "checkpoint_best.pt is missing" in err
+
+
 def test_a_crash_before_convergence_stops_the_campaign_and_the_stage_stays_unfinished(tmp_path):
     bin_dir = stand_in(tmp_path, [5.0, 4.0], then="exit 3")
     run = campaign(tmp_path, bin_dir)
