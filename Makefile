@@ -34,18 +34,20 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 tests
 
-# Translate German with speculative decoding on CPU: from INPUT=file, else from stdin, else (at a
-# terminal) the example sentences in data/examples.de. Prints one English line per input line;
+# Translate German with speculative decoding on CPU: from INPUT=file, else from stdin; at a
+# terminal, each typed line as soon as it is typed (Ctrl-D ends), as spec-nmt-translate does
+# (INPUT=data/examples.de translates the examples). Prints one English line per input line;
 # lines of several sentences are split and joined again (SPLIT=0: one line = one sentence), files
 # are decoded in batches (BATCH_SIZE sentences, default spec-nmt-translate's) with a progress bar.
+# STATS=1 adds spec-nmt-translate --stats (whether drafting ran, accepted drafts per iteration).
 # FAIRSEQ_OUTPUT=1 runs fairseq-interactive instead (one line = one sentence) and shows its
-# S-/H-/D-/P- output and logs.
+# S-/H-/D-/P- output and logs. Like SPLIT, these switches read 0, no and false as off.
 translate: $(STAMP)
 	@for f in verifier.pt drafter.pt dict.de.txt dict.en.txt spm.model; do \
 	  test -f $(MODEL_DIR)/$$f || { echo "make translate: $(MODEL_DIR)/$$f is missing (set MODEL_DIR to a model pair, see README)" >&2; exit 1; }; \
 	done
-ifdef FAIRSEQ_OUTPUT
-	@if [ -n "$(INPUT)" ]; then cat "$(INPUT)"; elif [ -t 0 ]; then cat data/examples.de; else cat; fi | \
+ifneq ($(filter-out 0 no false,$(FAIRSEQ_OUTPUT)),)
+	@if [ -n "$(INPUT)" ]; then cat "$(INPUT)"; else cat; fi | \
 	PYTHONWARNINGS=ignore $(VENV)/bin/fairseq-interactive $(MODEL_DIR) --user-dir spec_nmt --task spec_translation \
 	  --source-lang de --target-lang en --path $(MODEL_DIR)/verifier.pt \
 	  --drafter-path $(MODEL_DIR)/drafter.pt $(SETTINGS) $$($(PY) -c "$(LENGTH_FLAGS)") \
@@ -54,7 +56,8 @@ else
 	@PYTHONWARNINGS=ignore $(VENV)/bin/spec-nmt-translate '$(MODEL_DIR)' --cpu \
 	  $(SETTINGS) $(if $(BATCH_SIZE),--batch-size $(BATCH_SIZE)) \
 	  $(if $(filter 0 no false,$(SPLIT)),--no-split-sentences) \
-	  --input $(if $(INPUT),'$(subst ','\'',$(INPUT))',$$([ -t 0 ] && echo data/examples.de || echo -))
+	  $(if $(filter-out 0 no false,$(STATS)),--stats) \
+	  --input $(if $(INPUT),'$(subst ','\'',$(INPUT))',-)
 endif
 
 clean:

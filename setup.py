@@ -34,7 +34,9 @@ setup(
     py_modules=["spec_nmt_torch_load"],
     cmdclass={"build_py": BuildWithPth},
     entry_points={"console_scripts": ["spec-nmt-translate = spec_nmt.cli:main"]},
-    python_requires=">=3.9",
+    # fairseq installs below Python 3.13 only (fairseq 0.12.2 up to 3.10, its ve-fairseq build on
+    # 3.11 and 3.12, the markers below); the project's own environment runs 3.11
+    python_requires=">=3.9,<3.13",
     install_requires=[
         "torch>=2.0",
         'fairseq==0.12.2; python_version < "3.11"',

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""BLEU and speed of speculative decoding against fairseq's own decoding of the same verifier.
+r"""BLEU and speed of speculative decoding against fairseq's own decoding of the same verifier.
 
 Choose the setting on the validation set (never on test):
 
@@ -180,24 +180,42 @@ def environment(args):
     }
 
 
-def batch1_seconds(pair, systems, tokens, untimed=0):
+def batch1_seconds(pair, systems, tokens, untimed=0, accepted=None):
     """Seconds per system decoding ``tokens`` one sentence at a time, the systems' order rotating
-    per sentence; the first ``untimed`` sentences are run but not counted (warm-up)."""
+    per sentence; the first ``untimed`` sentences are run but not counted (warm-up). A dict
+    ``accepted`` receives each speculative system's mean accepted drafts per iteration over the
+    timed sentences."""
     seconds = dict.fromkeys(systems, 0.0)
+    speculative = [name for name, system in systems.items()
+                   if isinstance(system, SpeculativeGenerator)]  # fmt: skip
+    counts = {name: [0, 0] for name in speculative}  # accepted drafts, iterations
     for i, line_tokens in enumerate(tokens):
         one = decode_all(pair, systems, [line_tokens], 1, rotation_offset=i)
         if i >= untimed:
             for name in systems:
                 seconds[name] += one[name]["seconds"]
+            for name in speculative:
+                counts[name][0] += systems[name].stats.accepted_tokens
+                counts[name][1] += systems[name].stats.iterations
+    if accepted is not None:
+        accepted.update({name: round(n / max(iterations, 1), 3)
+                         for name, (n, iterations) in counts.items()})  # fmt: skip
     return seconds
 
 
 def timed_runs(pair, systems, tokens, args):
-    """(large-batch results over all lines, batch-1 seconds over the first --latency-lines)."""
+    """(large-batch results over all lines, batch-1 seconds over the first --latency-lines,
+    that many lines). The large-batch results also hold each speculative system's accepted
+    drafts per iteration at batch 1: the defaults draft for one sentence only, so their
+    large-batch figure is 0."""
     decode_all(pair, systems, tokens[: args.warmup_lines], args.batch_size)  # warm-up, untimed
     batched = decode_all(pair, systems, tokens, args.batch_size)
     latency_tokens = tokens[: args.latency_lines + args.warmup_lines]
-    single = batch1_seconds(pair, systems, latency_tokens, untimed=args.warmup_lines)
+    accepted = {}
+    single = batch1_seconds(pair, systems, latency_tokens, untimed=args.warmup_lines,
+                            accepted=accepted)  # fmt: skip
+    for name, value in accepted.items():
+        batched[name]["batch1_mean_accepted_per_iteration"] = value
     return batched, single, len(latency_tokens) - args.warmup_lines
 
 
@@ -299,7 +317,8 @@ def run(args):
             "identical_to_greedy": sum(
                 torch.equal(a, b) for a, b in zip(batched[name]["tokens"], greedy_tokens)),
         }
-        for key in ("mean_accepted_per_iteration", "verifier_calls_per_sentence"):
+        for key in ("mean_accepted_per_iteration", "batch1_mean_accepted_per_iteration",
+                    "verifier_calls_per_sentence"):  # fmt: skip
             if key in batched[name]:
                 row[key] = batched[name][key]
         rows.append(row)
@@ -748,7 +767,8 @@ def markdown_table(result):
         (f"batch{batch}_sentences_per_s", f"batch-{batch} sent/s"),
         (f"batch{batch}_speedup_vs_greedy", f"batch-{batch} × greedy"),
         (f"batch{batch}_speedup_vs_beam5", f"batch-{batch} × beam5"),
-        ("mean_accepted_per_iteration", "accepted/iter"),
+        ("batch1_mean_accepted_per_iteration", "batch-1 accepted/iter"),
+        ("mean_accepted_per_iteration", f"batch-{batch} accepted/iter"),
         ("verifier_calls_per_sentence", "verifier calls/sent"),
         ("identical_to_greedy", f"= greedy (of {result['lines']})"),
     ]

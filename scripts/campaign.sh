@@ -1,6 +1,6 @@
 #!/bin/bash
 # The whole model recipe as one resumable campaign: verifier to convergence, its final model,
-# greedy distillation of the training set, then on it the cached drafter, the Spec-Drafter, the
+# beam-5 distillation of the training set, then on it the cached drafter, the Spec-Drafter, the
 # cached drafter trained on short blocks and the 1-layer cached drafter.
 #   [PATIENCE=3] [COMPARISON_EPOCHS=10] scripts/campaign.sh DATA_BIN SPM_MODEL RAW_DIR WORK_DIR \
 #     [fairseq-train flags]
@@ -94,16 +94,25 @@ converged() {
   return "$status"
 }
 
-# train NAME LEARNING_CURVE_FLAGS -- COMMAND...: run COMMAND (logged to WORK/NAME/train.log)
-# until the stage has converged, unless it finished before; LEARNING_CURVE_FLAGS tell
+# train NAME [--then STEP] LEARNING_CURVE_FLAGS -- COMMAND...: run COMMAND (logged to
+# WORK/NAME/train.log) until the stage has converged, unless it finished before; then STEP (a
+# function, which must skip work it finds done) when given: the stage is FINISHED only once STEP
+# has succeeded, so a rerun after a failed STEP runs it again. LEARNING_CURVE_FLAGS tell
 # learning_curve.py which validation metric decides and which ones FINISHED shows.
 train() {
-  local dir=$WORK/$1 metric=() status=0 ends=0 now
+  local dir=$WORK/$1 metric=() status=0 ends=0 now then=""
   shift
+  if [ "$1" = "--then" ]; then then=$2; shift 2; fi
   while [ "$1" != "--" ]; do metric+=("$1"); shift; done
   shift
   mkdir -p "$dir"
-  if [ -f "$dir/FINISHED" ]; then log "$dir: finished before"; return; fi
+  if [ -f "$dir/FINISHED" ]; then
+    log "$dir: finished before"
+    # STEP too, if given: campaigns before --then wrote FINISHED before it ran (STEP skips work
+    # it finds done)
+    if [ -n "$then" ]; then "$then"; fi
+    return
+  fi
   # a stop during fairseq's copies to checkpoint_last.pt / checkpoint_best.pt must not end,
   # restart or set back the stage, nor leave the next step a cut file
   python "$SCRIPTS/repair_checkpoints.py" "$dir"
@@ -127,10 +136,23 @@ train() {
       exit "$status"
     fi
   fi
+  if [ -n "$then" ]; then "$then"; fi
   log "$dir: finished"
   python "$SCRIPTS/learning_curve.py" "$dir/train.log" --epoch-ends "${metric[@]}" \
     > "$dir/FINISHED.partial"
   mv "$dir/FINISHED.partial" "$dir/FINISHED"
+}
+
+# The verifier stage's last step: average its last 5 interval checkpoints into
+# checkpoint_final.pt, the verifier every later step uses, and score it (final.json is written
+# last, whole).
+finish_verifier() {
+  if [ ! -f "$WORK/verifier/final.json" ]; then
+    log "averaging the verifier's last 5 checkpoints, scoring on newstest"
+    run_step python "$SCRIPTS/finish_verifier.py" "$WORK/verifier" --data-bin "$DATA_BIN" \
+      --raw "$RAW_DIR" --spm-model "$SPM_MODEL" --last 5 "${DEVICE[@]}" \
+      --json "$WORK/verifier/final.json"
+  fi
 }
 
 # The stages, in a function called on the last line with exit: bash reads the whole file before
@@ -143,27 +165,22 @@ main() {
   local bleu_args
   bleu_args=$(python -c 'import json; from spec_nmt.settings import DEFAULTS
 print(json.dumps({"beam": 1, "max_len_a": DEFAULTS.max_len_a, "max_len_b": DEFAULTS.max_len_b}))')
-  train verifier -- "$SCRIPTS/train_verifier.sh" "$DATA_BIN" "$WORK/verifier" small \
-    "${epochs[@]}" --eval-bleu --eval-bleu-args "$bleu_args" --eval-bleu-remove-bpe sentencepiece
+  train verifier --then finish_verifier -- \
+    "$SCRIPTS/train_verifier.sh" "$DATA_BIN" "$WORK/verifier" small "${epochs[@]}" \
+    --eval-bleu --eval-bleu-args "$bleu_args" --eval-bleu-remove-bpe sentencepiece
 
   local verifier=$WORK/verifier/checkpoint_final.pt
-  # final.json is written last, whole
-  if [ ! -f "$WORK/verifier/final.json" ]; then
-    log "averaging the verifier's last 5 checkpoints, scoring on newstest"
-    run_step python "$SCRIPTS/finish_verifier.py" "$WORK/verifier" --data-bin "$DATA_BIN" \
-      --raw "$RAW_DIR" --spm-model "$SPM_MODEL" --last 5 "${DEVICE[@]}" \
-      --json "$WORK/verifier/final.json"
-  fi
 
-  # greedy: the exact target of lossless decoding. A shard per 10,000 training pairs (about 2
-  # minutes on the 2-core Intel Xeon with a verifier at update 5,224: 1,565 pairs in 16 s): a
-  # stopped run goes on from its last finished shard.
+  # Beam 5, distill.py's default, as SpecDec and Kim & Rush distil: the project's next
+  # distillation is beam 5 (greedy, --beam 1, is the exact target of the lossless rule and a
+  # fifth of the cost; the bundled drafter was trained on greedy targets, see its model card).
+  # A shard per 10,000 training pairs: a stopped run goes on from its last finished shard.
   if [ ! -f "$WORK/distilled/DONE" ]; then
     local pairs shards
     pairs=$(wc -l < "$RAW_DIR/train.de")
     shards=$(( (pairs + 9999) / 10000 ))
     log "distilling the training set in $shards shard(s)"
-    run_step python "$SCRIPTS/distill.py" "$DATA_BIN" "$verifier" "$WORK/distilled" --beam 1 \
+    run_step python "$SCRIPTS/distill.py" "$DATA_BIN" "$verifier" "$WORK/distilled" --beam 5 \
       --num-shards "$shards" "${DEVICE[@]}"
     touch "$WORK/distilled/DONE"
   fi
@@ -206,7 +223,9 @@ print("--beta", s.beta, "--tau", s.tau)') || true
       "$SCRIPTS/train_drafter.sh" "$WORK/distilled" "$WORK/drafter-$kind" "$size" \
       "${epochs[@]}" "${acceptance[@]}" --decoder-layers "$layers" "${own[@]}"
   done
-  log "done: export the pair with scripts/export_model.py (see README)"
+  log "done: export the pair with scripts/export_model.py OUT_DIR --verifier $verifier" \
+      "--drafter $WORK/drafter-cached/checkpoint_best.pt --data-bin $WORK/distilled" \
+      "--spm-model $SPM_MODEL"
 }
 
 main; exit

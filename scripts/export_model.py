@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
-"""Package a trained verifier + drafter as a compact model directory for translation only.
+r"""Package a trained verifier + drafter as a compact model directory for translation only.
 
-    python scripts/export_model.py --verifier V.pt --drafter D.pt --data-bin DATA_BIN \
+    python scripts/export_model.py --verifier WORK/verifier/checkpoint_final.pt \
+        --drafter WORK/drafter-cached/checkpoint_best.pt --data-bin WORK/distilled \
         --spm-model spm.model OUT_DIR
 
-Writes OUT_DIR/{verifier.pt, drafter.pt, dict.SRC.txt, dict.TGT.txt, spm.model}: weights in fp16
-(they are cast back to the running dtype on load), no optimizer state, no training paths. This is
-the layout `make translate` and `fairseq-interactive MODEL_DIR --path MODEL_DIR/verifier.pt
---drafter-path MODEL_DIR/drafter.pt` expect.
+(the names scripts/campaign.sh gives: the verifier finish_verifier.py kept, the drafter that
+agreed best with it). Writes OUT_DIR/{verifier.pt, drafter.pt, dict.SRC.txt, dict.TGT.txt,
+spm.model}: weights in fp16 (they are cast back to the running dtype on load), no optimizer
+state, no training paths. This is the layout `make translate` and `fairseq-interactive MODEL_DIR
+--path MODEL_DIR/verifier.pt --drafter-path MODEL_DIR/drafter.pt` expect.
+
+The directory is written aside and loaded as spec-nmt-translate loads it before it takes OUT_DIR's
+place, so a verifier and a drafter that do not belong together (a drafter trained for another
+verifier or dictionary, the verifier given as drafter) are refused and nothing is written. An
+OUT_DIR that already holds a model (the bundled data/models/bench-de-en, say) is replaced only
+with --force; its MODEL_CARD.md, which describes the old pair, is then removed.
 
 A Spec-Drafter or cached drafter also gets its draft vocabulary: the --draft-vocab-size target
 symbols most frequent on the target side of DATA_BIN's training split (give the data-bin the
@@ -17,7 +25,9 @@ their rows; what it drafts is still only proposed, so lossless decoding stays lo
 """
 
 import argparse
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +40,7 @@ from spec_nmt.checkpoint_loading import map_tied, save_checkpoint
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY, is_nar_drafter
+from spec_nmt.translator import SpecTranslator
 
 # Symbols a drafter drafts over by default: with the 4,000 most frequent target symbols of
 # bench-de-en's training set (of 8,008) the bundled cached drafter keeps 99.5 % of its accepted
@@ -38,6 +49,8 @@ from spec_nmt.loading import DRAFT_VOCABULARY_KEY, is_nar_drafter
 DEFAULT_DRAFT_VOCAB_SIZE = 4000
 # sentences counted per bincount
 COUNTING_CHUNK = 10000
+# what describes a model directory's pair beside its files (data/models/bench-de-en has one)
+MODEL_CARD = "MODEL_CARD.md"
 
 
 def target_counts(data_bin: Path, source_lang: str, target_lang: str) -> torch.Tensor:
@@ -99,20 +112,49 @@ def compact_checkpoint(src: Path, dst: Path, vocabulary: Optional[torch.Tensor] 
     return dst.stat().st_size
 
 
+def model_files(source_lang: str, target_lang: str):
+    return ["verifier.pt", "drafter.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt",
+            "spm.model"]  # fmt: skip
+
+
+def write_model_dir(args, out_dir: Path) -> None:
+    """The model directory's files, written into ``out_dir``."""
+    vocabulary = None
+    drafter_state = checkpoint_utils.load_checkpoint_to_cpu(str(args.drafter))
+    if args.draft_vocab_size and is_nar_drafter(drafter_state):
+        counts = target_counts(args.data_bin, args.source_lang, args.target_lang)
+        dictionary = Dictionary.load(str(args.data_bin / f"dict.{args.target_lang}.txt"))
+        vocabulary = draft_vocabulary(counts, dictionary, args.draft_vocab_size)
+        print(f"draft vocabulary: {vocabulary.numel()} of {len(dictionary)} target symbols")
+    total = 0
+    for name, src, extra in (("verifier.pt", args.verifier, None),
+                             ("drafter.pt", args.drafter, vocabulary)):  # fmt: skip
+        size = compact_checkpoint(src, out_dir / name, extra)
+        print(f"{args.out_dir / name}: {size / 2**20:.1f} MiB")
+        total += size
+    for lang in (args.source_lang, args.target_lang):
+        shutil.copy(args.data_bin / f"dict.{lang}.txt", out_dir / f"dict.{lang}.txt")
+    shutil.copy(args.spm_model, out_dir / "spm.model")
+    print(f"total {total / 2**20:.1f} MiB of weights in {args.out_dir}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("out_dir", type=Path, help="the model directory to write")
     parser.add_argument("--verifier", type=Path, required=True, help="verifier checkpoint")
     parser.add_argument("--drafter", type=Path, required=True,
                         help="drafter checkpoint (Spec-Drafter, cached or autoregressive drafter)")
     parser.add_argument("--data-bin", type=Path, required=True, help="data-bin both were trained on")
     parser.add_argument("--spm-model", type=Path, required=True, help="sentencepiece model of the data")
-    parser.add_argument("--source-lang", default="de")
-    parser.add_argument("--target-lang", default="en")
+    parser.add_argument("--source-lang", default="de", help="source language suffix (default: de)")
+    parser.add_argument("--target-lang", default="en", help="target language suffix (default: en)")
     parser.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB_SIZE,
                         help="a Spec-Drafter or cached drafter drafts only this many of the target "
                         "symbols, the most frequent on the target side of DATA_BIN's training "
-                        "split (0: every symbol)")
+                        "split (0: every symbol; default: %(default)s)")
+    parser.add_argument("--force", action="store_true",
+                        help=f"replace the model in an OUT_DIR that holds one (and remove its "
+                        f"{MODEL_CARD}, which describes the old pair)")
     args = parser.parse_args()
     if args.draft_vocab_size < 0:
         raise SpecNmtError(f"--draft-vocab-size must be >= 0, got {args.draft_vocab_size}")
@@ -122,24 +164,28 @@ def main():
     for path in inputs:
         if not path.is_file():
             raise SpecNmtError(f"{path} does not exist")
-    vocabulary = None
-    drafter_state = checkpoint_utils.load_checkpoint_to_cpu(str(args.drafter))
-    if args.draft_vocab_size and is_nar_drafter(drafter_state):
-        counts = target_counts(args.data_bin, args.source_lang, args.target_lang)
-        dictionary = Dictionary.load(str(args.data_bin / f"dict.{args.target_lang}.txt"))
-        vocabulary = draft_vocabulary(counts, dictionary, args.draft_vocab_size)
-        print(f"draft vocabulary: {vocabulary.numel()} of {len(dictionary)} target symbols")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    total = 0
-    for name, src, extra in (("verifier.pt", args.verifier, None),
-                             ("drafter.pt", args.drafter, vocabulary)):  # fmt: skip
-        size = compact_checkpoint(src, args.out_dir / name, extra)
-        print(f"{args.out_dir / name}: {size / 2**20:.1f} MiB")
-        total += size
-    for lang in (args.source_lang, args.target_lang):
-        shutil.copy(args.data_bin / f"dict.{lang}.txt", args.out_dir / f"dict.{lang}.txt")
-    shutil.copy(args.spm_model, args.out_dir / "spm.model")
-    print(f"total {total / 2**20:.1f} MiB of weights in {args.out_dir}")
+    names = model_files(args.source_lang, args.target_lang)
+    existing = [name for name in names + [MODEL_CARD] if (args.out_dir / name).exists()]
+    if existing and not args.force:
+        raise SpecNmtError(
+            f"{args.out_dir} already holds a model ({', '.join(existing)}): export into a new "
+            "directory, or give --force to replace it"
+        )
+    args.out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{args.out_dir.name}.", dir=args.out_dir.parent))
+    try:
+        write_model_dir(args, staging)
+        # the loader's own checks, on what would be installed
+        SpecTranslator.from_pretrained(staging, source_lang=args.source_lang,
+                                       target_lang=args.target_lang, device="cpu")  # fmt: skip
+        args.out_dir.mkdir(exist_ok=True)
+        for name in names:
+            os.replace(staging / name, args.out_dir / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if MODEL_CARD in existing:
+        (args.out_dir / MODEL_CARD).unlink()
+        print(f"removed {args.out_dir / MODEL_CARD}: it described the pair this export replaced")
 
 
 if __name__ == "__main__":

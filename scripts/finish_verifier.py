@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The end of a verifier run: average its last interval checkpoints, keep the averaged model or
+r"""The end of a verifier run: average its last interval checkpoints, keep the averaged model or
 the best single one (whichever scores higher BLEU on the validation set), and score the kept one
 on the test set with greedy decoding and beam 5.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The validations of fairseq-train logs as a markdown table: the learning curve of a model card.
+r"""The validations of fairseq-train logs as a markdown table: the learning curve of a model card.
 
     python scripts/learning_curve.py ../runs/verifier/train.log [more logs of the same run] \
         [--metrics loss,ppl,bleu] [--epoch-ends] \

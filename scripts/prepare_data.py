@@ -4,7 +4,7 @@
     python scripts/prepare_data.py RAW_DIR OUT_DIR [--vocab-size 8000]
 
 RAW_DIR holds {train,valid,test}.{de,en} (raw, cased, one sentence per line), e.g.
-../shared/data/bench-de-en or the output of scripts/prepare_wmt14.sh. OUT_DIR receives
+../shared/data/bench-de-en or the output of scripts/prepare_wmt14.py. OUT_DIR receives
 spm.model (joint sentencepiece), spm/ (encoded text) and bin/ (fairseq-preprocess output with a
 joined dictionary, ready for fairseq-train).
 """

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from spec_nmt.decoding.rules import RULES
-from spec_nmt.settings import DEFAULTS
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
+from spec_nmt.settings import DEFAULTS, flag_help
 from spec_nmt.translator import SpecTranslator
 
 STYLE = """
@@ -149,21 +149,25 @@ def render(translator, sentences, settings) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("model_dir", type=Path,
+                        help="verifier.pt, drafter.pt, dict.*.txt, spm.model, as for "
+                        "spec-nmt-translate")
     parser.add_argument("sentences", nargs="+", help="source sentences (raw text)")
-    parser.add_argument("--output", "-o", type=Path, default=Path("trace.html"))
-    parser.add_argument("--drafter", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
+    parser.add_argument("--output", "-o", type=Path, default=Path("trace.html"),
+                        help="the HTML page to write (default: %(default)s)")
+    parser.add_argument("--drafter-path", default=None,
+                        help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
     parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES,
                         default=DEFAULT_DRAFTER_PRECISION,
-                        help="the drafter's feed-forward and output layers; auto: int8 on the CPU")
-    parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
-    parser.add_argument("--beta", type=int, default=DEFAULTS.beta)
-    parser.add_argument("--tau", type=float, default=DEFAULTS.tau)
-    parser.add_argument("--verify", default=DEFAULTS.verify, choices=list(RULES))
-    parser.add_argument("--tree-branching", default=DEFAULTS.tree_branching)
-    parser.add_argument("--tree-budget", type=int, default=DEFAULTS.tree_budget)
-    parser.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
-    parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
+                        help="the drafter's feed-forward and output layers; auto: int8 on the CPU "
+                        "(default: %(default)s)")
+    for name in ("block_size", "beta", "tau", "verify", "tree_branching", "tree_budget",
+                 "temperature", "seed"):  # fmt: skip
+        default = getattr(DEFAULTS, name)
+        parser.add_argument(f"--{name.replace('_', '-')}",
+                            type=str if default is None else type(default), default=default,
+                            choices=list(RULES) if name == "verify" else None,
+                            help=flag_help(name))  # fmt: skip
     args = parser.parse_args()
     settings = {"block_size": args.block_size, "beta": args.beta, "tau": args.tau,
                 "verify": args.verify}  # fmt: skip
@@ -174,7 +178,7 @@ def main():
     if args.tree_budget:
         settings["tree_budget"] = args.tree_budget
     # a SpecNmtError becomes one line on stderr (spec_nmt's error hook)
-    translator = SpecTranslator.from_pretrained(args.model_dir, args.drafter, device="cpu",
+    translator = SpecTranslator.from_pretrained(args.model_dir, args.drafter_path, device="cpu",
                                                 drafter_precision=args.drafter_precision)
     page = render(translator, args.sentences, settings)
     args.output.write_text(page, encoding="utf-8")

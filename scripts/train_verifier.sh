@@ -19,4 +19,6 @@ case "$SIZE" in
                 --max-tokens 4096 --update-freq 4 --max-update 300000 --fp16) ;;
   *) echo "$0: size must be small or base, got $SIZE" >&2; exit 2 ;;
 esac
-fairseq_train --task translation --criterion label_smoothed_cross_entropy "${MODEL[@]}"
+# finish_verifier.py averages the last 5 interval checkpoints (--last 5): keep that many
+fairseq_train --task translation --criterion label_smoothed_cross_entropy \
+  --keep-interval-updates 5 "${MODEL[@]}"

@@ -8,7 +8,12 @@ and joined again; --no-split-sentences turns that off). Input is read in buffers
 --buffer-size lines; inside a buffer the sentences are sorted by length and decoded in batches of
 --batch-size, and the buffer's translations are written as soon as it is done. A progress bar
 (stderr) is shown for inputs of more than a few hundred lines, and the throughput is printed at
-the end. At a terminal each typed line is translated at once.
+the end (--stats: also whether drafting ran and how much it earned). At a terminal each typed
+line is translated as soon as it is typed (Ctrl-D ends). Input that is not text (NUL bytes, or
+mostly bytes that are not UTF-8: a binary or compressed file) is refused.
+
+--verify sampling or rsd samples translations (--temperature, --sampling-topk, --sampling-topp),
+from a fresh seed each run unless --seed gives one.
 """
 
 import argparse
@@ -17,17 +22,30 @@ import logging
 import os
 import sys
 import time
-from typing import Iterator, List, TextIO
+from dataclasses import dataclass, field, fields
+from typing import Callable, Iterator, List, TextIO
 
 from tqdm import tqdm
 
-from spec_nmt.settings import DEFAULTS
+from spec_nmt.decoding.loop import DecodingStats
+from spec_nmt.decoding.rules import RULES
+from spec_nmt.settings import DEFAULTS, flag_help
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
 from spec_nmt.text import tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 PROGRESS_MIN_LINES = 300
+DEFAULT_BUFFER_SIZE = 1000
+# The decoding settings spec-nmt-translate takes as flags, with DecodingSettings' help texts.
+SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "max_draft_batch", "temperature",
+                 "sampling_topk", "sampling_topp", "seed")  # fmt: skip
+SAMPLING_SETTINGS = ("temperature", "sampling_topk", "sampling_topp", "seed")
+# Whether the input is text is judged on its first bytes: a NUL byte there, or more than this
+# share of its characters not UTF-8, and it is refused. German text in Latin-1 (its umlauts
+# are the only bytes that are not UTF-8) stays below it and is translated with U+FFFD.
+TEXT_CHECK_BYTES = 8192
+MAX_NON_UTF8_SHARE = 0.1
 
 
 def parse_args(argv=None):
@@ -43,43 +61,26 @@ def parse_args(argv=None):
     parser.add_argument(
         "--drafter-path", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt"
     )
+    for name in SETTING_FLAGS:
+        default = getattr(DEFAULTS, name)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int if default is None else type(default),
+            choices=list(RULES) if name == "verify" else None,
+            default=None,
+            help=flag_help(name, with_default=name != "seed")
+            + ("; default: a fresh seed each run, so runs differ" if name == "seed" else ""),
+        )
     parser.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help=f"k: drafted tokens per iteration; 0: no drafts, the verifier alone on the same "
-        f"loop (default {DEFAULTS.block_size})",
-    )
-    parser.add_argument(
-        "--beta",
-        type=int,
-        default=None,
-        help="top-beta rule: accept drafts among the verifier's beta best "
-        f"(default {DEFAULTS.beta})",
-    )
-    parser.add_argument(
-        "--tau",
-        type=float,
-        default=None,
-        help="top-beta rule: accept drafts within tau of the best log-prob "
-        f"(default {DEFAULTS.tau:g})",
-    )
-    parser.add_argument(
-        "--max-draft-batch",
-        type=int,
-        default=None,
-        help="the most sentences a batch may have and still draft; larger batches decode with "
-        "the verifier alone (0: draft in every batch; default: 1 for the lossless rule, no "
-        "limit for a relaxed --beta/--tau)",
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sentences per batch"
-    )
+        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+        help="sentences per batch (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--buffer-size",
         type=int,
-        default=1000,
-        help="lines read before decoding; sentences are sorted by length inside a buffer",
+        default=DEFAULT_BUFFER_SIZE,
+        help="lines read before decoding; sentences are sorted by length inside a buffer "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--no-split-sentences",
@@ -88,6 +89,13 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--quiet", action="store_true", help="no progress bar and no throughput line"
+    )
+    parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="at the end, on stderr: whether drafting ran (and if not, why), accepted drafts "
+        "per iteration, sentences/s and tokens/s, and the mean score (the verifier's "
+        "log-probability per output token, EOS included, in nats)",
     )
     parser.add_argument(
         "--cpu", action="store_true", help="decode on the CPU even if CUDA is available"
@@ -103,19 +111,45 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.buffer_size < 1:
         raise SpecNmtError(f"--buffer-size must be >= 1, got {args.buffer_size}")
+    given = [name for name in SAMPLING_SETTINGS if getattr(args, name) is not None]
+    if given and not RULES[args.verify or DEFAULTS.verify].sampled_drafts:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise SpecNmtError(
+            f"{flags} set how to sample: add --verify sampling or --verify rsd "
+            f"(--verify {args.verify or DEFAULTS.verify} translates greedily)"
+        )
     return args
 
 
 def open_input(path: str) -> TextIO:
     """The input as text lines: invalid UTF-8 becomes U+FFFD and only a newline ends a line, so
-    N lines in always means N lines out."""
+    N lines in always means N lines out. Input that is not text is refused."""
     if path == "-":
+        if not sys.stdin.isatty():  # (typed lines are text; peeking would wait for them)
+            refuse_non_text(sys.stdin.buffer.peek(TEXT_CHECK_BYTES)[:TEXT_CHECK_BYTES], "stdin")
         tolerant_stdin()
         return sys.stdin
     try:
+        with open(path, "rb") as raw:
+            refuse_non_text(raw.read(TEXT_CHECK_BYTES), path)
         return open(path, encoding="utf-8", errors="replace", newline="\n")
     except OSError as error:
         raise SpecNmtError(f"--input {path}: {error.strerror}") from error
+
+
+def refuse_non_text(head: bytes, name: str) -> None:
+    """A one-line error for input whose first bytes are not text."""
+    if b"\0" in head:
+        problem = "holds NUL bytes"
+    else:
+        text = head.decode("utf-8", errors="replace")
+        if text.count("\ufffd") <= MAX_NON_UTF8_SHARE * len(text):
+            return
+        problem = "is mostly not UTF-8"
+    raise SpecNmtError(
+        f"{name} {problem}: it is not text (a binary or compressed file?); give German text, "
+        "one sentence or paragraph per line, in UTF-8"
+    )
 
 
 def buffers(stream: TextIO, size: int) -> Iterator[List[str]]:
@@ -131,7 +165,36 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def translate_stream(translator, stream: TextIO, args) -> None:
+@dataclass
+class Totals:
+    """What one run decoded, added up over its calls of the translator."""
+
+    lines: int = 0
+    sentences: int = 0
+    output_tokens: int = 0
+    score_sum: float = 0.0  # of the sentences' scores
+    decoding: DecodingStats = field(default_factory=DecodingStats)
+
+    def add(self, translator: SpecTranslator, lines: int) -> None:
+        self.lines += lines
+        for line in translator.statistics:
+            self.sentences += line["sentences"]
+            self.output_tokens += line["output_tokens"]
+            if line["sentences"]:  # (a line's score is the mean of its sentences')
+                self.score_sum += line["score"] * line["sentences"]
+        for name in (f.name for f in fields(DecodingStats)):
+            total = getattr(self.decoding, name) + getattr(translator.decoding_stats, name)
+            setattr(self.decoding, name, total)
+
+
+def decoder(translator: SpecTranslator) -> Callable[..., List[str]]:
+    """The translator's call for its rule: sample() for the sampling rules."""
+    if RULES[translator.settings.verify].sampled_drafts:
+        return translator.sample
+    return translator.translate
+
+
+def translate_stream(translator, stream: TextIO, args, totals: Totals) -> None:
     """Translate buffer by buffer, writing each buffer's lines as soon as they are done."""
     chunks = buffers(stream, args.buffer_size)
     first = next(chunks, [])
@@ -145,12 +208,11 @@ def translate_stream(translator, stream: TextIO, args) -> None:
     else:
         total = None
     show = not args.quiet and (total is None or total > PROGRESS_MIN_LINES)
-    lines = sentences = output_tokens = 0
-    start = time.perf_counter()
+    decode = decoder(translator)
     with tqdm(total=total, unit="line", disable=not show, file=sys.stderr,
               dynamic_ncols=True) as bar:  # fmt: skip
         for buffer in itertools.chain([first], chunks):
-            translations = translator.translate(
+            translations = decode(
                 buffer,
                 batch_size=args.batch_size,
                 split_sentences=not args.no_split_sentences,
@@ -158,17 +220,66 @@ def translate_stream(translator, stream: TextIO, args) -> None:
             )
             sys.stdout.write("".join(t + "\n" for t in translations))
             sys.stdout.flush()
-            lines += len(buffer)
-            sentences += sum(s["sentences"] for s in translator.statistics)
-            output_tokens += sum(s["output_tokens"] for s in translator.statistics)
-    seconds = max(time.perf_counter() - start, 1e-9)
+            totals.add(translator, len(buffer))
+
+
+def translate_typed_lines(translator, args, totals: Totals) -> None:
+    """At a terminal: each line as soon as it is typed."""
+    if not args.quiet:
+        print("spec-nmt-translate: type German text, one line at a time; Ctrl-D ends",
+              file=sys.stderr, flush=True)  # fmt: skip
+    decode = decoder(translator)
+    for line in sys.stdin:
+        print(decode(line.rstrip("\n"), split_sentences=not args.no_split_sentences), flush=True)
+        totals.add(translator, 1)
+
+
+def drafting_report(settings, stats: DecodingStats) -> str:
+    """Whether the run drafted, and if not, why."""
+    if settings.block_size == 0:
+        return "drafting off: --block-size 0 decodes with the verifier alone"
+    limit = settings.draft_batch_limit
+    if stats.batches_without_drafts and not stats.drafted_tokens:
+        return (
+            f"drafting off: every batch had more than {counted(limit, 'sentence')} "
+            f"(--max-draft-batch {limit}); --batch-size {limit} or --max-draft-batch 0 drafts"
+        )
+    if stats.batches_without_drafts:
+        return (
+            f"drafting in part: {counted(stats.batches_without_drafts, 'batch')} of more than "
+            f"{counted(limit, 'sentence')} (--max-draft-batch {limit}) decoded without drafts"
+        )
+    return f"drafting on: --verify {settings.verify}, --block-size {settings.block_size}"
+
+
+def report(translator, totals: Totals, seconds: float, args) -> None:
+    """The throughput line, and with --stats what drafting did (stderr)."""
+    seconds = max(seconds, 1e-9)
+    speed = (
+        f"{totals.sentences / seconds:.1f} sentences/s, {totals.output_tokens / seconds:.0f} "
+        "tokens/s"
+    )
     if not args.quiet:
         print(
-            f"spec-nmt-translate: {counted(lines, 'line')}, {counted(sentences, 'sentence')}, "
-            f"{output_tokens} target tokens in {seconds:.1f} s: {sentences / seconds:.1f} "
-            f"sentences/s, {output_tokens / seconds:.0f} tokens/s",
+            f"spec-nmt-translate: {counted(totals.lines, 'line')}, "
+            f"{counted(totals.sentences, 'sentence')}, {totals.output_tokens} target tokens in "
+            f"{seconds:.1f} s: {speed}",
             file=sys.stderr,
         )
+    if not args.stats:
+        return
+    stats = totals.decoding
+    lines = [
+        drafting_report(translator.settings, stats),
+        f"{stats.mean_accepted_per_iteration:.2f} accepted drafts per iteration "
+        f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted in "
+        f"{stats.iterations} iterations)",
+        speed,
+        f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
+        "log-probability per output token, EOS included, in nats)",
+    ]
+    for line in lines:
+        print(f"spec-nmt-translate stats: {line}", file=sys.stderr)
 
 
 def main(argv=None):
@@ -176,10 +287,9 @@ def main(argv=None):
     logging.getLogger().setLevel(logging.WARNING)
     args = parse_args(argv)
     settings = {
-        name: getattr(args, name)
-        for name in ("block_size", "beta", "tau", "max_draft_batch")
-        if getattr(args, name) is not None
+        name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None
     }
+    stream = open_input(args.input)  # (before the models load: a wrong input fails at once)
     translator = SpecTranslator.from_pretrained(
         args.model_dir,
         drafter_path=args.drafter_path,
@@ -187,20 +297,20 @@ def main(argv=None):
         drafter_precision=args.drafter_precision,
         **settings,
     )
-    stream = open_input(args.input)
+    totals = Totals()
+    start = time.perf_counter()
     try:
         if stream is sys.stdin and stream.isatty():
-            split = not args.no_split_sentences
-            for line in stream:  # typed at a terminal: each line at once
-                print(translator.translate(line.rstrip("\n"), split_sentences=split), flush=True)
+            translate_typed_lines(translator, args, totals)
         else:
-            translate_stream(translator, stream, args)
+            translate_stream(translator, stream, args, totals)
     except BrokenPipeError:  # the reader stopped early (| head): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
     finally:
         if stream is not sys.stdin:
             stream.close()
+    report(translator, totals, time.perf_counter() - start, args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 
 from spec_nmt.checkpoint_loading import model_config
 from spec_nmt.drafters.ar_drafter import ArDrafter
+from spec_nmt.drafters.cached_drafter import same_weights
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel, restrict_output
 from spec_nmt.errors import SpecNmtError
 
@@ -45,6 +46,8 @@ def load_drafter(task, path: str, verifier_model):
             )
     vocabulary = read_draft_vocabulary(state, path, task.target_dictionary, autoregressive)
     model = load_beside(task, path, state, verifier_model)
+    if autoregressive:
+        refuse_the_verifier_as_drafter(model, verifier_model, path)
     check_pair(model, verifier_model)
     weights = next(model.parameters())
     if vocabulary is not None:  # before int8, which then quantizes the smaller projection
@@ -76,6 +79,19 @@ def drafter_adapter(model, dictionary, vocabulary: Optional[torch.Tensor] = None
     if isinstance(model, SpecDrafterModel):
         return model.decoding_adapter(pad, eos, vocabulary)
     return ArDrafter(model, pad, eos)
+
+
+def refuse_the_verifier_as_drafter(drafter_model, verifier_model, path: str) -> None:
+    """Refuse an autoregressive drafter that is the verifier itself (e.g. ``--drafter-path
+    verifier.pt``): it would draft at the verifier's own cost, slower than the verifier alone,
+    and nothing would say why."""
+    ours, theirs = drafter_model.state_dict(), verifier_model.state_dict()
+    if ours.keys() == theirs.keys() and all(same_weights(ours[n], theirs[n]) for n in ours):
+        raise SpecNmtError(
+            f"--drafter-path {path} is the verifier itself; give a drafter (a Spec-Drafter, a "
+            "cached drafter, or a smaller Transformer), or --block-size 0 to decode with the "
+            "verifier alone"
+        )
 
 
 def check_pair(drafter_model, verifier_model) -> None:

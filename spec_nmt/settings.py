@@ -54,51 +54,50 @@ class DecodingSettings:
     benchmark take it from here."""
 
     # the rule and the drafts
-    verify: str = field(default="top_beta", metadata={
-            "help": "verification rule: top_beta (greedy drafts, --beta/--tau), sampling "
-            "(speculative sampling of a drafted chain) or rsd (recursive rejection sampling "
-            "over a draft tree); sampling and rsd sample exactly from the verifier, with "
-            "--temperature, --sampling-topk, --sampling-topp and --seed"
-        })
-    # With the bundled pair 2 and 3 are the fastest k > 0 (BENCHMARKS.md)
-    block_size: int = field(default=3, metadata={
-            "help": "k: [MASK] positions the drafter fills per iteration, in training (the "
-            "recipes of scripts/train_drafter.sh set their own) and decoding; in decoding 0 "
-            "drafts nothing: the verifier alone on the same loop (greedy or sampling)"
-        })
-    beta: int = field(default=1, metadata={"help": "top-beta rule: a drafted token must be among the verifier's beta best"})
-    tau: float = field(default=0.0, metadata={
-            "help": "top-beta rule: a drafted token's log-prob must be within tau of the "
-            "verifier's best (--beta 1 --tau 0 is lossless: exactly the verifier's greedy output)"
-        })
-    tree_branching: Optional[str] = field(default=None, metadata={
-            "help": "a draft tree: comma-separated children per node at each depth (e.g. "
-            "3,2,2,1: the tree is as deep as the list is long, and --block-size is not used). "
-            "--verify rsd (RSD-C) draws the children without replacement by Gumbel-top-k; with "
-            "neither this nor --tree-budget it draws "
-            f"{RULES['rsd'].default_branching} (the most tokens per verifier call of the "
-            "6-node trees on newstest2013, BENCHMARKS.md). --verify top_beta gives every node "
-            "the drafter's best tokens and accepts the path the rule passes (still lossless "
-            "with --beta 1 --tau 0); without it or --tree-budget, a chain"
-        })
-    tree_budget: int = field(default=0, metadata={
-            "help": "a draft tree of about this many nodes per iteration: beam search over the "
-            "drafter's sequences, width tree-budget // block-size over block-size levels; "
-            "stochastic for --verify rsd (RSD-S), the most probable sequences for --verify "
-            "top_beta (still lossless with --beta 1 --tau 0)"
-        })
-    max_draft_batch: Optional[int] = field(default=None, metadata={
-            "help": "the most sentences a batch may have and still draft; a larger batch decodes "
-            "with the verifier alone on the same loop (its drafts would cost more than they "
-            "earn). 0: draft in batches of any size. Default: 1 for the rules whose output the "
-            "drafts cannot change (lossless top_beta, sampling, rsd), no limit for a relaxed "
-            "--beta/--tau, whose drafts decide its translations"
-        })
-    # sampling (rules sampling and rsd), as fairseq's flags of the same names
-    temperature: float = 1.0
-    sampling_topk: int = -1
-    sampling_topp: float = -1.0
-    seed: int = 1
+    verify: str = field(default="top_beta", metadata={"help": (
+        "acceptance rule: top_beta (greedy drafts judged by --beta and --tau; lossless with the "
+        "defaults), sampling (speculative sampling of a chain: samples exactly from the "
+        "verifier) or rsd (recursive rejection sampling over a draft tree, as exact)")})
+    # With the bundled pair 2 and 3 are the fastest k > 0, 5 and 10 slower
+    # (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
+    block_size: int = field(default=3, metadata={"help": (
+        "k: drafted tokens per iteration (tree depth for rsd); 0: no drafts, the verifier alone "
+        "on the same loop. In drafter training: the [MASK] positions per cut")})
+    beta: int = field(default=1, metadata={"help": (
+        "top-beta rule: a draft must be among the verifier's beta best tokens (1: its best, "
+        "which makes the output the verifier's greedy translation whatever --tau)")})
+    tau: float = field(default=0.0, metadata={"help": (
+        "top-beta rule: a draft's log-probability must also be at most tau below the best "
+        "token's, in nats (natural log)")})
+    # children per node at each depth: rsd's RSD-C tree, or a tree of the drafter's best tokens
+    # for top_beta (chains without it or tree_budget)
+    tree_branching: Optional[str] = field(default=None, metadata={"help": (
+        "a draft tree instead of a chain: children per node at each depth, e.g. 3,2,2,1 "
+        "(top_beta: the drafter's best tokens; rsd: drawn tokens, RSD-C)")})
+    # nodes per iteration, grown by beam search over the drafter's sequences (stochastic for
+    # rsd: RSD-S); block_size levels of tree_budget // block_size nodes each
+    tree_budget: int = field(default=0, metadata={"help": (
+        "a draft tree grown by beam search over the drafter's sequences: nodes per iteration, "
+        "block-size levels of tree-budget // block-size nodes (rsd: stochastic, RSD-S; 0: none)")})
+    # the most sentences a batch may have and still draft; a larger batch decodes with the
+    # verifier alone on the same loop, since the bundled pair's drafts cost more than they earn
+    # in a batch (BENCHMARKS.md). None: 1 for the rules whose translations do not depend on the
+    # drafts (lossless top-beta, sampling and rsd: the same distribution), no limit for a
+    # relaxed top-beta/tau, whose drafts decide its translations; 0: no limit
+    max_draft_batch: Optional[int] = field(default=None, metadata={"help": (
+        "the most sentences a batch may have and still draft; larger batches decode with the "
+        "verifier alone (0: draft in every batch; default: 1 for the lossless rule and the "
+        "sampling rules, no limit for a relaxed --beta/--tau)")})
+    # sampling (rules sampling and rsd)
+    temperature: float = field(default=1.0, metadata={"help": (
+        "sampling rules: the verifier's logits are divided by it (below 1: closer to greedy)")})
+    sampling_topk: int = field(default=-1, metadata={"help": (
+        "sampling rules: sample among the k most probable tokens only (-1: all)")})
+    sampling_topp: float = field(default=-1.0, metadata={"help": (
+        "sampling rules: sample among the most probable tokens whose probabilities add up to p "
+        "(-1: all)")})
+    seed: int = field(default=1, metadata={"help": (
+        "sampling rules: the random seed; equal seeds give equal samples")})
     # output length and scores, in fairseq's generation terms
     max_len_a: float = 1.2  # an output may have max_len_a * source length + max_len_b tokens
     max_len_b: int = 10
@@ -222,7 +221,18 @@ class DecodingSettings:
 
 
 def names() -> List[str]:
-    return [field.name for field in dataclasses.fields(DecodingSettings)]
+    return [setting.name for setting in dataclasses.fields(DecodingSettings)]
+
+
+def flag_help(name: str, with_default: bool = True) -> str:
+    """A setting's help text for its command-line flag, with its default unless that is None
+    (a default that depends on other settings, which the text explains)."""
+    setting = next(s for s in dataclasses.fields(DecodingSettings) if s.name == name)
+    text = setting.metadata["help"]
+    if with_default and setting.default is not None:
+        shown = f"{setting.default:g}" if isinstance(setting.default, float) else setting.default
+        text += f" (default: {shown})"
+    return text
 
 
 # The default largest drafting batch of the rules whose translations the drafts cannot change:

@@ -6,6 +6,7 @@
     translator.translate(["Guten Morgen.", "Wie geht es dir? Gut."], batch_size=32)
     translator.sample("Guten Morgen.", temperature=0.7, verify="rsd", tree_branching="2,1,1")
     translator.statistics  # per line of the last call: sentences, iterations, accepted tokens, ...
+    translator.decoding_stats  # the last call's totals: drafted, accepted, batches without drafts
 
 Each input line may hold several sentences: it is split into sentences, which are translated in
 batches, and their translations are joined into one output line (split_sentences=False sends each
@@ -17,6 +18,7 @@ tree_branching, tree_budget, temperature, sampling_topk, sampling_topp, seed, ma
 """
 
 import logging
+import secrets
 import unicodedata
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -25,7 +27,7 @@ import sentencepiece
 import torch
 from fairseq import checkpoint_utils
 
-from spec_nmt.decoding.loop import SpeculativeGenerator
+from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.settings import DEFAULTS, DecodingSettings
 from spec_nmt.decoding.scorer import BlockScorer
@@ -46,15 +48,19 @@ class SpecTranslator:
     sentencepiece model, loaded once; each call decodes with the settings it is given."""
 
     def __init__(self, task: SpecTranslationTask, verifier, drafter, spm_model,
-                 settings: DecodingSettings):  # fmt: skip
+                 settings: DecodingSettings, seeded: bool = False):  # fmt: skip
         self.task = task
         self.verifier = verifier
         self.drafter = drafter
         self.spm = spm_model
         self.settings = settings  # every call's defaults
+        # whether settings.seed was chosen: without a seed, each sample() call draws its own
+        self.seeded = seeded
         self.src_dict, self.tgt_dict = task.source_dictionary, task.target_dictionary
         self.max_source_tokens = task.source_token_limit(verifier, drafter)
         self.statistics: List[Dict] = []
+        # the last call's totals: drafted, accepted, batches decoded without drafts, ...
+        self.decoding_stats = DecodingStats()
 
     @classmethod
     def from_pretrained(
@@ -65,11 +71,18 @@ class SpecTranslator:
         target_lang: str = "en",
         device: Optional[str] = None,
         drafter_precision: str = DEFAULT_DRAFTER_PRECISION,
+        verbose: bool = False,
         **settings,
     ) -> "SpecTranslator":
         """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``
         (default: CUDA when available); ``drafter_precision`` (auto, fp32, int8) is the task's
-        ``--drafter-precision``. ``settings`` are the defaults of every call."""
+        ``--drafter-precision``. ``settings`` are the defaults of every call. fairseq's and
+        spec_nmt's INFO lines (dictionary sizes, loading) go to the log only when ``verbose``;
+        warnings always do."""
+        # fairseq sets the root logger to DEBUG when imported: an application embedding the
+        # translator would print every loading step otherwise
+        for name in ("fairseq", "spec_nmt"):
+            logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
         model_dir = Path(model_dir)
         drafter_path = Path(drafter_path) if drafter_path else model_dir / "drafter.pt"
         needed = ["verifier.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt", "spm.model"]
@@ -91,7 +104,7 @@ class SpecTranslator:
         drafter = load_drafter(task, str(drafter_path), verifier)
         spm_model = _load_sentencepiece(model_dir / "spm.model", task.source_dictionary,
                                         model_dir / f"dict.{source_lang}.txt")  # fmt: skip
-        return cls(task, verifier, drafter, spm_model, defaults)
+        return cls(task, verifier, drafter, spm_model, defaults, seeded="seed" in settings)
 
     @property
     def device(self) -> torch.device:
@@ -136,8 +149,9 @@ class SpecTranslator:
         sampling_topp), several tokens per verifier call; ``verify`` is ``sampling`` or ``rsd``
         (draft tree: tree_branching or tree_budget, else the default tree), by default the
         translator's rule if it samples, else ``rsd`` over its tree (tree_branching: RSD-C,
-        tree_budget: RSD-S) or, without one, ``sampling``. Equal seeds give equal samples.
-        Lines are split into sentences as in translate()."""
+        tree_budget: RSD-S) or, without one, ``sampling``. Equal seeds give equal samples;
+        without a seed (here or to from_pretrained) every call draws a fresh one, so repeated
+        calls give different samples. Lines are split into sentences as in translate()."""
         sampling_rules = [name for name, rule in RULES.items() if rule.sampled_drafts]
         if verify is None:
             verify = self.settings.verify
@@ -147,6 +161,8 @@ class SpecTranslator:
         if verify not in sampling_rules:
             choices = " or ".join(repr(name) for name in sampling_rules)
             raise SpecNmtError(f"sample() takes verify={choices}, got {verify!r}")
+        if seed is None and not self.seeded:
+            seed = secrets.randbits(63)
         # temperature and seed default to the translator's settings
         given = {"temperature": temperature, "seed": seed}
         settings.update({name: value for name, value in given.items() if value is not None})
@@ -231,9 +247,11 @@ class SpecTranslator:
             for key in ("iterations", "accepted_tokens", "output_tokens"):
                 line_statistics[key] += statistics[i][key]
         for line_statistics, score_sum in zip(self.statistics, score_sums):
-            # a line's score is its sentences' mean score (per-token log-prob); None when blank
+            # a line's score is its sentences' mean score (the verifier's log-prob per output
+            # token, EOS included, in nats, with the default lenpen 1); None when blank
             if line_statistics["sentences"]:
                 line_statistics["score"] = score_sum / line_statistics["sentences"]
+        self.decoding_stats = generator.stats
         outputs = [join_sentences(pieces) for pieces in outputs]
         return outputs[0] if single else outputs
 

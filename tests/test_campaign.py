@@ -107,14 +107,25 @@ def test_a_converged_stage_is_stopped_and_the_campaign_goes_on(tmp_path, cleanup
     # best at epoch 2, then 3 epochs without a lower loss (one equal): converged at epoch 5
     bin_dir = stand_in(tmp_path, [5.0, 4.0, 4.1, 4.0, 4.3], then=waiting(tmp_path))
     out, err = finish(campaign(tmp_path, bin_dir), 120)
-    stage = tmp_path / "work" / "verifier"
-    assert "best loss 4.0 at update 200 (epoch 2), 3 validation(s) after it" in (
-        stage / "FINISHED"
-    ).read_text()
     assert stopped(tmp_path)  # the stand-in and its worker
     # the next step ran: finish_verifier.py, which finds no checkpoints in the stand-in's run
     assert "averaging the verifier's last 5 checkpoints" in out
     assert "checkpoint_best.pt is missing" in err
+    # ... so the stage is not FINISHED: a rerun runs that step again instead of skipping it
+    assert not (tmp_path / "work" / "verifier" / "FINISHED").exists()
+
+
+def test_a_verifier_stage_finished_without_its_finishing_step_gets_it(tmp_path):
+    """A WORK_DIR whose verifier stage an older campaign marked FINISHED before
+    finish_verifier.py ran: the step runs (and here fails: no checkpoints), training does not."""
+    stage = tmp_path / "work" / "verifier"
+    stage.mkdir(parents=True)
+    (stage / "FINISHED").write_text("learning curve\n")
+    run = campaign(tmp_path, stand_in(tmp_path, [5.0], then="exit 3"))
+    out, err = finish(run, 120)
+    assert "finished before" in out and "training" not in out.split("finished before")[1]
+    assert "averaging the verifier's last 5 checkpoints" in out
+    assert run.returncode != 0 and "checkpoint_best.pt is missing" in err
 
 
 def test_a_crash_before_convergence_stops_the_campaign_and_the_stage_stays_unfinished(tmp_path):

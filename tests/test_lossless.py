@@ -10,6 +10,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.sequence_generator import SequenceGenerator
 
+from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.decoding import tree
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.settings import DecodingSettings
@@ -129,11 +130,18 @@ def test_interactive_is_identical_to_stock_greedy(toy):
     assert mean_accepted(spec.stderr + spec.stdout) > 0.3
 
 
-def test_the_verifier_as_its_own_drafter_gets_every_draft_accepted(toy, stock_greedy):
-    """The identical-drafter end (HF's test): the verifier checkpoint as autoregressive drafter."""
+def test_the_verifier_as_its_own_drafter_gets_every_draft_accepted(toy, stock_greedy, tmp_path):
+    """The identical-drafter end (HF's test): the verifier as autoregressive drafter. The
+    verifier's own file is refused as a drafter (a user's mistake), so the drafter is a copy
+    with one weight moved by one float32 step: the same model for every decision here."""
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(toy["verifier"]))
+    weight = state["model"]["decoder.layers.0.fc1.bias"]
+    weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
+    twin = tmp_path / "twin.pt"
+    save_checkpoint(state, twin)
     result = fairseq(
         "generate", toy["bin"], "--path", toy["verifier"], "--task", "spec_translation",
-        "--drafter-path", toy["verifier"], "--block-size", BLOCK_SIZE, *DRAFT_IN_BATCHES,
+        "--drafter-path", twin, "--block-size", BLOCK_SIZE, *DRAFT_IN_BATCHES,
         "--batch-size", 16, "--required-batch-size-multiple", 1, *COMMON,
     )  # fmt: skip
     output = result.stdout + result.stderr

@@ -319,6 +319,7 @@ def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     # the defaults draft for a sentence alone (batch 1), not in the batches of 8
     assert rows["spec-nmt defaults"]["identical_to_greedy"] == 20
     assert rows["spec-nmt defaults"]["mean_accepted_per_iteration"] == 0
+    assert rows["spec-nmt defaults"]["batch1_mean_accepted_per_iteration"] > 0
     assert "nrefs:1|case:mixed|eff:no|tok:13a" in result["sacrebleu_signature"]
     assert result["environment"]["torch"] == torch.__version__
 

@@ -1,0 +1,170 @@
+"""The recipes as a new user meets them (issue 37): export_model.py cannot overwrite or mismatch
+a model pair, the verifier keeps the checkpoints its finishing step averages, usage lines and
+help texts say what runs, make translate's switches read 0 as off. (The campaign's verifier stage
+is FINISHED only after its finishing step: test_campaign.py.)"""
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from fairseq import checkpoint_utils
+from packaging.specifiers import SpecifierSet
+
+from spec_nmt.checkpoint_loading import save_checkpoint
+from tests.conftest import BUNDLED_MODEL_DIR, REPO
+
+PYTHON_SCRIPTS = sorted((REPO / "scripts").glob("*.py")) + [REPO / "benchmarks" / "benchmark.py"]
+
+
+def script(path, *args, check=True):
+    result = subprocess.run(
+        [sys.executable, str(path), *map(str, args)], capture_output=True, text=True, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=600,
+    )  # fmt: skip
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def export(out_dir, verifier=BUNDLED_MODEL_DIR / "verifier.pt", *extra, check=True):
+    """export_model.py on the bundled pair's files (its directory holds the dictionaries)."""
+    return script(
+        REPO / "scripts" / "export_model.py", out_dir, "--verifier", verifier,
+        "--drafter", BUNDLED_MODEL_DIR / "drafter.pt", "--data-bin", BUNDLED_MODEL_DIR,
+        "--spm-model", BUNDLED_MODEL_DIR / "spm.model", "--draft-vocab-size", 0, *extra,
+        check=check,
+    )  # fmt: skip
+
+
+def test_export_refuses_a_drafter_trained_for_another_verifier(tmp_path):
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(BUNDLED_MODEL_DIR / "verifier.pt"))
+    weight = state["model"]["encoder.layers.0.fc1.weight"]
+    weight += 0.01 * (1 + weight.abs())  # another verifier, as one trained further would be
+    other = tmp_path / "other_verifier.pt"
+    save_checkpoint(state, other)
+    result = export(tmp_path / "model", other, check=False)
+    assert result.returncode == 1
+    # (fairseq's import hint "Please install tensorboardX" is an INFO line of its own)
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("INFO:")]
+    assert len(lines) == 1 and "trained on another verifier's encoder" in lines[0]
+    assert not (tmp_path / "model").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["other_verifier.pt"]  # nothing left aside
+
+
+def test_export_replaces_a_model_only_with_force_and_then_drops_its_model_card(tmp_path):
+    model = tmp_path / "model"
+    export(model)
+    assert sorted(p.name for p in model.iterdir()) == [
+        "dict.de.txt", "dict.en.txt", "drafter.pt", "spm.model", "verifier.pt"
+    ]
+    (model / "MODEL_CARD.md").write_text("the old pair\n")
+    before = (model / "verifier.pt").stat().st_mtime_ns
+    result = export(model, check=False)
+    assert result.returncode == 1
+    assert "already holds a model" in result.stderr and "--force" in result.stderr
+    assert (model / "verifier.pt").stat().st_mtime_ns == before
+    assert (model / "MODEL_CARD.md").exists()
+    export(model, BUNDLED_MODEL_DIR / "verifier.pt", "--force")
+    assert not (model / "MODEL_CARD.md").exists()
+    assert (model / "verifier.pt").stat().st_mtime_ns != before
+
+
+def test_train_verifier_keeps_the_checkpoints_finish_verifier_averages(tmp_path):
+    bin_dir = tmp_path / "stand-in"
+    bin_dir.mkdir()
+    (bin_dir / "fairseq-train").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/args\n')
+    (bin_dir / "fairseq-train").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    subprocess.run(["scripts/train_verifier.sh", tmp_path / "bin", tmp_path / "save"], cwd=REPO,
+                   env=env, check=True, timeout=60)  # fmt: skip
+    args = (tmp_path / "args").read_text().splitlines()
+    kept = [int(args[i + 1]) for i, arg in enumerate(args) if arg == "--keep-interval-updates"]
+    averaged = re.search(r'"--last", type=int, default=(\d+)',
+                         (REPO / "scripts" / "finish_verifier.py").read_text())  # fmt: skip
+    assert kept[-1] >= int(averaged.group(1))  # fairseq keeps the last value given
+
+
+@pytest.mark.parametrize("path", PYTHON_SCRIPTS, ids=lambda p: p.name)
+def test_usage_lines_keep_their_line_continuations(path):
+    source = path.read_text()
+    tree = ast.parse(source)
+    docstring = ast.get_source_segment(source, tree.body[0])
+    shown = ast.get_docstring(tree, clean=False)
+
+    def continued(text):
+        return sum(line.rstrip().endswith("\\") for line in text.splitlines())
+
+    assert continued(shown) == continued(docstring)
+
+
+def test_prepare_data_help_names_scripts_that_exist():
+    text = script(REPO / "scripts" / "prepare_data.py", "--help").stdout
+    named = re.findall(r"scripts/[\w.]+", text)
+    assert named and all((REPO / name.rstrip(".")).is_file() for name in named), named
+
+
+def test_every_trace_flag_has_help_and_the_drafter_flag_is_the_clis():
+    text = script(REPO / "scripts" / "trace.py", "--help").stdout
+    options = text.split("options:")[1]
+    entries = re.split(r"\n  (?=-)", options)[1:]
+    for entry in entries:
+        flag, *words = entry.split()
+        assert len(words) > 2, f"{flag} has no help"
+    assert "--drafter-path DRAFTER_PATH" in text and "--drafter DRAFTER" not in text
+
+
+def make_translate(*variables):
+    """The commands `make translate` would run (make -n), without an environment to build."""
+    venv = "/nonexistent-venv"
+    result = subprocess.run(
+        ["make", "-n", "-o", f"{venv}/.installed", "translate", f"VENV={venv}", *variables],
+        cwd=REPO, capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return result.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "no", "false"])
+def test_make_translate_reads_fairseq_output_0_as_off(value):
+    commands = make_translate(f"FAIRSEQ_OUTPUT={value}")
+    assert "spec-nmt-translate" in commands and "fairseq-interactive" not in commands
+    assert "fairseq-interactive" in make_translate("FAIRSEQ_OUTPUT=1")
+
+
+def test_make_translate_reads_stdin_at_a_terminal_too():
+    """One behaviour at a terminal: make translate hands stdin to spec-nmt-translate, which
+    translates typed lines as they come (test_cli_modes.py); the examples only with INPUT."""
+    for commands in (make_translate(), make_translate("FAIRSEQ_OUTPUT=1")):
+        assert "examples.de" not in commands
+    assert "--input -" in make_translate()
+    assert "--stats" in make_translate("STATS=1") and "--stats" not in make_translate("STATS=0")
+
+
+def test_the_supported_pythons_are_those_fairseq_installs_on():
+    setup = ast.parse((REPO / "setup.py").read_text())
+    call = next(node for node in ast.walk(setup) if isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "setup")  # fmt: skip
+    keywords = {k.arg: k.value for k in call.keywords}
+    supported = SpecifierSet(ast.literal_eval(keywords["python_requires"]))
+    running = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert running in supported
+    assert "3.13" not in supported and "3.14" not in supported
+    fairseq_markers = [r for r in ast.literal_eval(keywords["install_requires"]) if "fairseq" in r]
+    assert any('python_version < "3.13"' in marker for marker in fairseq_markers)
+
+
+def test_benchmark_run_reports_the_defaults_acceptance_at_batch_1(tmp_path):
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_text("Guten Morgen.\nDas Haus ist groß.\nWie geht es dir heute?\n")
+    ref.write_text("Good morning.\nThe house is big.\nHow are you today?\n")
+    result_path = tmp_path / "run.json"
+    script(REPO / "benchmarks" / "benchmark.py", "run", BUNDLED_MODEL_DIR, "--src", src,
+           "--ref", ref, "--batch-size", 3, "--latency-lines", 3, "--warmup-lines", 0,
+           "--json", result_path)  # fmt: skip
+    rows = {row["system"]: row for row in json.loads(result_path.read_text())["rows"]}
+    defaults = rows["spec-nmt defaults"]
+    assert defaults["mean_accepted_per_iteration"] == 0  # batches of 3 do not draft ...
+    assert defaults["batch1_mean_accepted_per_iteration"] > 0  # ... one sentence does
