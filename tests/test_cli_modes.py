@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from spec_nmt import cli
+from spec_nmt import cli as translate_cli
 from spec_nmt.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.translator import SpecTranslator
@@ -32,7 +32,7 @@ def cli(*args, stdin=None):
 
 def run_main(capsys, *args):
     """main() in this process (the models load in a few seconds): (stdout lines, stderr)."""
-    cli.main([str(BUNDLED_MODEL_DIR), "--cpu", *map(str, args)])
+    translate_cli.main([str(BUNDLED_MODEL_DIR), "--cpu", *map(str, args)])
     out, err = capsys.readouterr()
     return out.splitlines(), err
 
@@ -68,7 +68,7 @@ def test_stats_of_a_drafting_run_count_the_accepted_drafts(capsys, tmp_path):
 
 def test_help_shows_defaults_units_and_every_mode(capsys):
     with pytest.raises(SystemExit):
-        cli.parse_args(["--help"])
+        translate_cli.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for flag in ("--verify", "--temperature", "--sampling-topk", "--sampling-topp", "--seed"):
         assert flag in text
@@ -96,7 +96,7 @@ def test_the_cli_samples_differently_unless_seeded(capsys, tmp_path):
                                    ["--verify", "top_beta", "--sampling-topp", "0.9"]])  # fmt: skip
 def test_sampling_flags_without_a_sampling_rule_are_refused(flags):
     with pytest.raises(SpecNmtError, match="add --verify sampling or --verify rsd"):
-        cli.parse_args([str(BUNDLED_MODEL_DIR), *flags])
+        translate_cli.parse_args([str(BUNDLED_MODEL_DIR), *flags])
 
 
 def test_the_api_samples_differently_unless_seeded(translator):
@@ -124,7 +124,7 @@ def test_input_that_is_not_text_is_refused_with_one_line(tmp_path, kind):
     path = tmp_path / "input"
     path.write_bytes(NOT_TEXT[kind])
     with pytest.raises(SpecNmtError) as error:
-        cli.main([str(BUNDLED_MODEL_DIR), "--input", str(path)])
+        translate_cli.main([str(BUNDLED_MODEL_DIR), "--input", str(path)])
     assert "it is not text" in str(error.value) and "\n" not in str(error.value)
     result = cli(stdin=NOT_TEXT[kind])  # through stdin too, as a one-line error
     assert result.returncode == 1 and result.stdout == b""
