@@ -29,6 +29,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from spec_nmt.checkpoint_loading import model_config
+from spec_nmt.compact_drafter import with_verifier_copies
 from spec_nmt.decoding.drafters import (
     ArDrafter,
     CachedDrafter,
@@ -430,7 +431,7 @@ class SpecTranslationTask(TranslationTask):
         """Load a drafter checkpoint onto the verifier's device and dtype (its linear layers in
         int8 by --drafter-precision): a Spec-Drafter, a cached drafter, or a stock Transformer
         translation model (autoregressive drafter)."""
-        state = _read_checkpoint("--drafter-path", path)
+        state = with_verifier_copies(_read_checkpoint("--drafter-path", path), verifier_model, path)
         arch = _checkpoint_arch(state)
         autoregressive = arch is not None and arch.startswith("transformer")
         if not (is_nar_drafter(state) or autoregressive):
