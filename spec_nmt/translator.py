@@ -68,11 +68,13 @@ class SpecTranslator:
         target_lang: str = "en",
         device: Optional[str] = None,
         drafter_precision: str = DEFAULT_DRAFTER_PRECISION,
+        dtype: torch.dtype = torch.float32,
         **settings,
     ) -> "SpecTranslator":
         """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``
-        (default: CUDA when available); ``drafter_precision`` (auto, fp32, int8) is the task's
-        ``--drafter-precision``. ``settings`` are the defaults of every call."""
+        (default: CUDA when available) in ``dtype`` (torch.float16: as fairseq's --fp16);
+        ``drafter_precision`` (auto, fp32, int8) is the task's ``--drafter-precision``.
+        ``settings`` are the defaults of every call."""
         model_dir = Path(model_dir)
         drafter_path = Path(drafter_path) if drafter_path else model_dir / "drafter.pt"
         needed = ["verifier.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt", "spm.model"]
@@ -90,7 +92,7 @@ class SpecTranslator:
         task = SpecTranslationTask.setup_task(cfg)
         verifier = _load_verifier(model_dir / "verifier.pt", task)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        verifier = verifier.to(device=device, dtype=torch.float32).eval()
+        verifier = verifier.to(device=device, dtype=dtype).eval()
         drafter = task.load_drafter(str(drafter_path), verifier)
         spm_model = _load_sentencepiece(model_dir / "spm.model", task.source_dictionary,
                                         model_dir / f"dict.{source_lang}.txt")  # fmt: skip
