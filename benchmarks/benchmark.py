@@ -30,7 +30,7 @@ a process of its own by benchmarks/ctranslate2_greedy.py.) On a GPU, with beam 5
 several k, top-beta/tau and BLEU (what scripts/gpu_check.sh runs):
 
     python benchmarks/benchmark.py ceiling MODEL_DIR --src test.de --ref test.en --lines 256 \
-        --batch-sizes 8,32,128 --device cuda --fp16 --beam5 --lossless-blocks 2,3,5,10 --top-beta
+        --batch-sizes 8,32,128 --device cuda --fp16 --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1
 
 What scoring a block of W entries costs the verifier against scoring one (a greedy step of the
 same scorer), per batch size; if every draft were accepted, an iteration of k drafts would emit
@@ -441,8 +441,9 @@ def ceiling(args):
         for block in args.lossless_blocks:
             systems[f"spec lossless, real drafter k={block}"] = speculating(pair, block_size=block)
         if args.top_beta:
-            systems[f"spec k={args.block} beta={args.beta} tau={args.tau}"] = speculating(
-                pair, block_size=args.block, beta=args.beta, tau=args.tau
+            block, beta, tau = args.top_beta
+            systems[f"spec k={block} beta={beta} tau={tau}"] = speculating(
+                pair, block_size=block, beta=beta, tau=tau
             )
         if args.tree_branching:
             systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = speculating(
@@ -822,8 +823,8 @@ def main():
     parser.add_argument("--beam5", action="store_true", help="ceiling: add fairseq beam 5")
     parser.add_argument("--lossless-blocks", type=comma_list(int), default=[],
                         help="ceiling: add the real drafter, lossless, at each of these k")
-    parser.add_argument("--top-beta", action="store_true",
-                        help="ceiling: add the real drafter with --block, --beta and --tau")
+    parser.add_argument("--top-beta", type=setting, default=None,
+                        help="ceiling: add the real drafter with this K:BETA:TAU (e.g. 5:3:1)")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="ceiling: add CTranslate2 greedy rows (fp32, int8) of the same verifier "
                         "(pip install ctranslate2)")

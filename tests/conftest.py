@@ -68,9 +68,9 @@ def fairseq(tool, *args, input_text=None, check=True):
     return result
 
 
-def script_module(name):
-    """scripts/NAME.py imported as a module (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+def script_module(name, folder="scripts"):
+    """FOLDER/NAME.py imported as a module (scripts/ and benchmarks/ are no packages)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
