@@ -15,12 +15,11 @@ from typing import Dict, Iterable, Tuple
 import torch
 from torch import Tensor
 
-from spec_nmt.checkpoint_loading import model_config
+from spec_nmt.checkpoint_loading import VERIFIER_COPIES_KEY, model_config
 from spec_nmt.errors import SpecNmtError
 
-# The checkpoint key of what was dropped: {"names": {drafter name: verifier name}, "extra_rows":
-# {drafter name: rows beyond the verifier's}, "sha256": fingerprint of the rebuilt tensors}
-VERIFIER_COPIES_KEY = "verifier_copies"
+# VERIFIER_COPIES_KEY holds what was dropped: {"names": {drafter name: verifier name},
+# "extra_rows": {drafter name: rows beyond the verifier's}, "sha256": fingerprint of the copies}
 # drafter prefix -> the verifier's prefix of the same part
 COPIED_PARTS = {"encoder.": "encoder.", "verifier_decoder.": "decoder."}
 
