@@ -26,7 +26,11 @@ draft, score, accept and commit, per batch size:
         --batch-sizes 1,32,64 --ctranslate2 --json benchmarks/results/ceiling.json
 
 (--ctranslate2 adds the verifier converted with CTranslate2, greedy in fp32 and int8, each run in
-a process of its own by benchmarks/ctranslate2_greedy.py.)
+a process of its own by benchmarks/ctranslate2_greedy.py.) On a GPU, with beam 5, lossless at
+several k, top-beta/tau and BLEU (what scripts/gpu_check.sh runs):
+
+    python benchmarks/benchmark.py ceiling MODEL_DIR --src test.de --ref test.en --lines 256 \
+        --batch-sizes 8,32,128 --device cuda --fp16 --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1
 
 What scoring a block of W entries costs the verifier against scoring one (a greedy step of the
 same scorer), per batch size; if every draft were accepted, an iteration of k drafts would emit
@@ -105,8 +109,21 @@ def defaults(pair: SpecTranslator) -> SpeculativeGenerator:
 
 
 def load_pair(args) -> SpecTranslator:
-    return SpecTranslator.from_pretrained(args.model_dir, args.drafter, device="cpu",
-                                          drafter_precision=args.drafter_precision)  # fmt: skip
+    return SpecTranslator.from_pretrained(args.model_dir, args.drafter, device=args.device,
+                                          drafter_precision=args.drafter_precision,
+                                          dtype=dtype(args))  # fmt: skip
+
+
+def dtype(args) -> torch.dtype:
+    return torch.float16 if args.fp16 else torch.float32
+
+
+def now() -> float:
+    """time.perf_counter() once the GPU has done what was queued: CUDA calls return before
+    their kernels finish."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
@@ -121,9 +138,9 @@ def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
         for batch_number, (lines, sample) in enumerate(pair.batches(tokens, batch_size)):
             rotation = (batch_number + rotation_offset) % len(names)
             for name in names[rotation:] + names[:rotation]:
-                start = time.perf_counter()
+                start = now()
                 hypos = systems[name].generate([pair.verifier], sample)
-                elapsed = time.perf_counter() - start
+                elapsed = now() - start
                 results[name]["seconds"] += elapsed
                 for row, line in enumerate(lines):
                     results[name]["tokens"][line] = hypos[row][0]["tokens"].cpu()
@@ -166,18 +183,21 @@ def environment(args):
         pass
     import fairseq
 
-    return {
-        "device": "cpu",
+    int8 = drafts_in_int8(args.drafter_precision, args.device, dtype(args))
+    found = {
+        "device": args.device,
         "cpu": cpu,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "fairseq": fairseq.__version__,
         "python": platform.python_version(),
-        # the models always run on the CPU in fp32 here (load_pair)
-        "drafter_precision": "int8" if drafts_in_int8(args.drafter_precision, "cpu",
-                                                      torch.float32) else "fp32",
+        "dtype": "fp16" if args.fp16 else "fp32",
+        "drafter_precision": "int8" if int8 else "fp16" if args.fp16 else "fp32",
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
+    if args.device == "cuda":
+        found.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    return found
 
 
 def batch1_seconds(pair, systems, tokens, untimed=0, accepted=None):
@@ -394,9 +414,9 @@ class PhaseTimer:
         original = getattr(owner, method)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = now()
             result = original(*args, **kwargs)
-            self.seconds[phase] += time.perf_counter() - start
+            self.seconds[phase] += now() - start
             return result
 
         setattr(owner, method, timed)
@@ -456,9 +476,10 @@ def acceptance(args):
 def ceiling(args):
     """Fairseq greedy against speculative lossless decoding with the oracle drafter (the ceiling
     of the loop) and with the real drafter, per batch size, with each iteration's cost in greedy
-    steps split into draft, score, accept and commit."""
+    steps split into draft, score, accept and commit; with --ref, each system's BLEU."""
     pair = load_pair(args)
     src = read_lines(args.src, args.lines)
+    refs = read_lines(args.ref, args.lines) if args.ref else None
     tokens = pair.encode(src)
     greedy = fairseq_generator(pair, 1)
     alone = greedy_alone(pair, tokens)
@@ -472,6 +493,15 @@ def ceiling(args):
                    "spec lossless, oracle drafter": oracle(pair, tokens, alone, args.block),
                    "spec lossless, real drafter": speculating(pair, block_size=args.block),
                    "spec-nmt defaults": defaults(pair)}  # fmt: skip
+        if args.beam5:
+            systems["fairseq beam5"] = fairseq_generator(pair, 5)
+        for block in args.lossless_blocks:
+            systems[f"spec lossless, real drafter k={block}"] = speculating(pair, block_size=block)
+        if args.top_beta:
+            block, beta, tau = args.top_beta
+            systems[f"spec k={block} beta={beta} tau={tau}"] = speculating(
+                pair, block_size=block, beta=beta, tau=tau
+            )
         if args.tree_branching:
             systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = speculating(
                 pair, tree_branching=args.tree_branching
@@ -481,8 +511,18 @@ def ceiling(args):
                 pair, block_size=depth, tree_budget=width * depth
             )
         decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
-        timers = {name: PhaseTimer(g) for name, g in systems.items() if name != "fairseq greedy"}
+        speculative = [name for name, g in systems.items() if isinstance(g, SpeculativeGenerator)]
+        # On a GPU the phase timers wait for the GPU at every phase, which would slow the timed
+        # run: there the breakdown comes from a second run of the speculative systems.
+        separate = pair.device.type == "cuda"
+        if not separate:
+            timers = {name: PhaseTimer(systems[name]) for name in speculative}
         results = decode_all(pair, systems, tokens, batch_size)
+        broken_down = results
+        if separate:
+            timers = {name: PhaseTimer(systems[name]) for name in speculative}
+            broken_down = decode_all(pair, {name: systems[name] for name in speculative}, tokens,
+                                     batch_size)  # fmt: skip
         base = results["fairseq greedy"]
         step = base["seconds"] / greedy_steps(pair, base["tokens"], tokens, batch_size)
         output_tokens = sum(t.numel() for t in base["tokens"])
@@ -491,15 +531,17 @@ def ceiling(args):
                    "ms_per_output_token": round(1000 * result["seconds"] / output_tokens, 2),
                    "speedup_vs_greedy": round(base["seconds"] / result["seconds"], 2),
                    "identical_to_greedy": sum(torch.equal(a, b) for a, b in zip(result["tokens"], alone))}  # fmt: skip
+            if refs:
+                row["bleu"] = bleu(pair, result["tokens"], refs)[0]
             if name in timers:
                 calls = systems[name].stats.batched_verifier_calls
                 row["tokens_per_verifier_call"] = result["tokens_per_verifier_call"]
                 row["greedy_steps_per_iteration"] = round(result["seconds"] / calls / step, 2)
                 for phase, seconds in timers[name].seconds.items():
                     row[f"{phase}_greedy_steps"] = round(seconds / calls / step, 2)
-                row["other_greedy_steps"] = round(
-                    (result["seconds"] - sum(timers[name].seconds.values())) / calls / step, 2)
-            else:
+                untimed = broken_down[name]["seconds"] - sum(timers[name].seconds.values())
+                row["other_greedy_steps"] = round(untimed / calls / step, 2)
+            elif name == "fairseq greedy":
                 row["greedy_step_ms"] = round(1000 * step, 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -552,10 +594,10 @@ def block_cost(args):
             nothing = (order[:, :0], torch.zeros(batch_size, dtype=torch.long))
 
             def call(name, block):  # the next block sees the same prefix
-                start = time.perf_counter()
+                start = now()
                 logits = scorers[name].score_logits(states[name], block)
                 scorers[name].commit(states[name], *nothing)
-                return time.perf_counter() - start, logits
+                return now() - start, logits
 
             seconds, first_call = {}, {}
             for width in args.widths:
@@ -655,7 +697,7 @@ def ceiling_table(result):
         ("draft_greedy_steps", "draft"),
         ("score_greedy_steps", "score"), ("accept_greedy_steps", "accept"),
         ("commit_greedy_steps", "commit"), ("other_greedy_steps", "other"),
-        ("identical_to_greedy", f"= greedy (of {result['lines']})"),
+        ("identical_to_greedy", f"= greedy (of {result['lines']})"), ("bleu", "BLEU"),
         ("ctranslate2_threads", "CT2 threads"),
     ]  # fmt: skip
     return table(columns, result["rows"])
@@ -801,6 +843,10 @@ def main():
     parser.add_argument("--latency-lines", type=int, default=100, help="timed batch-1 sentences")
     parser.add_argument("--warmup-lines", type=int, default=5, help="untimed batch-1 sentences first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the models run (timings wait for the GPU to finish)")
+    parser.add_argument("--fp16", action="store_true",
+                        help="the models in fp16, as fairseq's --fp16 (with --device cuda)")
     parser.add_argument("--blocks", type=comma_list(int), default=[2, 3, 5, 10], help="sweep: block sizes k")
     parser.add_argument("--betas", type=comma_list(int), default=[1, 3, 5], help="sweep: beta values")
     parser.add_argument("--taus", type=comma_list(float), default=[0.0, 1.0, 2.0], help="sweep: tau values")
@@ -831,6 +877,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=50, help="block-cost: timed calls per width")
     parser.add_argument("--compile", action="store_true",
                         help="block-cost: also time the scorer compiled with torch.compile")
+    parser.add_argument("--beam5", action="store_true", help="ceiling: add fairseq beam 5")
+    parser.add_argument("--lossless-blocks", type=comma_list(int), default=[],
+                        help="ceiling: add the real drafter, lossless, at each of these k")
+    parser.add_argument("--top-beta", type=setting, default=None,
+                        help="ceiling: add the real drafter with this K:BETA:TAU (e.g. 5:3:1)")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="ceiling: add CTranslate2 greedy rows (fp32, int8) of the same verifier "
                         "(pip install ctranslate2)")

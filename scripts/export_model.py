@@ -22,6 +22,10 @@ symbols most frequent on the target side of DATA_BIN's training split (give the 
 drafter was trained on, e.g. the distilled one; its dictionaries are the verifier's). It drafts
 only those, so its output projection, the largest matrix it reads per iteration, keeps only
 their rows; what it drafts is still only proposed, so lossless decoding stays lossless.
+
+A cached drafter's drafter.pt holds only its own weights: its copy of the verifier's encoder (and
+with --verifier-states of its decoder) is rebuilt from verifier.pt when it is loaded
+(spec_nmt/compact_drafter.py), which more than halves the file.
 """
 
 import argparse
@@ -37,6 +41,7 @@ from fairseq.data import Dictionary, data_utils
 
 # (importing spec_nmt also lets torch.load read fairseq checkpoints)
 from spec_nmt.checkpoint_loading import map_tied, save_checkpoint
+from spec_nmt.compact_drafter import VERIFIER_COPIES_KEY, copies_verifier, without_verifier_copies
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY, is_nar_drafter
@@ -85,10 +90,17 @@ def draft_vocabulary(counts: torch.Tensor, dictionary: Dictionary, size: int) ->
     return torch.sort(chosen).values
 
 
-def compact_checkpoint(src: Path, dst: Path, vocabulary: Optional[torch.Tensor] = None) -> int:
+def compact_checkpoint(src: Path, dst: Path, vocabulary: Optional[torch.Tensor] = None,
+                       verifier: Optional[Path] = None) -> int:
     """fp16 weights, no optimizer state, no machine-specific paths, the draft ``vocabulary``
-    when given. Returns the file size."""
+    when given; without the copies of the ``verifier``'s weights when given (a cached drafter).
+    Returns the file size."""
     state = checkpoint_utils.load_checkpoint_to_cpu(str(src))
+    if verifier is not None and VERIFIER_COPIES_KEY not in state:  # (not if exported before)
+        verifier_weights = checkpoint_utils.load_checkpoint_to_cpu(str(verifier))["model"]
+        state["model"], state[VERIFIER_COPIES_KEY] = without_verifier_copies(
+            state["model"], verifier_weights, src
+        )
     if vocabulary is None:  # (a drafter exported before keeps none either)
         state.pop(DRAFT_VOCABULARY_KEY, None)
     else:
@@ -127,9 +139,10 @@ def write_model_dir(args, out_dir: Path) -> None:
         vocabulary = draft_vocabulary(counts, dictionary, args.draft_vocab_size)
         print(f"draft vocabulary: {vocabulary.numel()} of {len(dictionary)} target symbols")
     total = 0
-    for name, src, extra in (("verifier.pt", args.verifier, None),
-                             ("drafter.pt", args.drafter, vocabulary)):  # fmt: skip
-        size = compact_checkpoint(src, out_dir / name, extra)
+    copied = args.verifier if copies_verifier(drafter_state) else None
+    for name, src, extra, verifier in (("verifier.pt", args.verifier, None, None),
+                                       ("drafter.pt", args.drafter, vocabulary, copied)):
+        size = compact_checkpoint(src, out_dir / name, extra, verifier)
         print(f"{args.out_dir / name}: {size / 2**20:.1f} MiB")
         total += size
     for lang in (args.source_lang, args.target_lang):

@@ -20,6 +20,10 @@ from spec_nmt_torch_load import allow_fairseq_checkpoint_types
 
 allow_fairseq_checkpoint_types()  # also done at fairseq import where spec-nmt is installed
 
+# The checkpoint key of a drafter exported without its copies of the verifier's weights
+# (spec_nmt/compact_drafter.py): such a file loads only beside its verifier.
+VERIFIER_COPIES_KEY = "verifier_copies"
+
 
 def map_tied(weights: Dict[str, Tensor], convert: Callable[[str, Tensor], Tensor]):
     """``weights`` with ``convert(name, tensor)`` applied once per tensor: names that share one
@@ -38,6 +42,11 @@ def model_config(state) -> Optional[Any]:
     if cfg is not None and cfg.get("model") is not None:
         return cfg["model"]
     return state.get("args")
+
+
+def checkpoint_arch(state) -> Optional[str]:
+    model = model_config(state)
+    return getattr(model, "arch", None) or getattr(model, "_name", None)
 
 
 def save_checkpoint(state, path) -> None:
@@ -74,6 +83,14 @@ def _naming_mismatched_files(load):
         try:
             return load(filenames, *args, **kwargs)
         except RuntimeError as error:
+            if "Missing key(s)" in str(error):
+                for name in filenames:
+                    if VERIFIER_COPIES_KEY in checkpoint_utils.load_checkpoint_to_cpu(name):
+                        raise SpecNmtError(
+                            f"{name} is a Spec-Drafter, not a verifier: a drafter stored "
+                            "without its copy of the verifier's encoder, which loads only as "
+                            "--drafter-path (drafter.pt) beside that verifier (--path)"
+                        ) from error
             mismatch = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
             if not mismatch:
                 raise

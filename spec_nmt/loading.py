@@ -11,7 +11,8 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.models import ARCH_MODEL_REGISTRY
 
-from spec_nmt.checkpoint_loading import model_config
+from spec_nmt.checkpoint_loading import checkpoint_arch
+from spec_nmt.compact_drafter import with_verifier_copies
 from spec_nmt.drafters.ar_drafter import ArDrafter
 from spec_nmt.drafters.cached_drafter import same_weights
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel, restrict_output
@@ -26,7 +27,7 @@ def load_drafter(task, path: str, verifier_model):
     """Load a drafter checkpoint for ``task`` onto the verifier's device and dtype (its linear
     layers in int8 by --drafter-precision): a Spec-Drafter, a cached drafter, or a stock
     Transformer translation model (autoregressive drafter); returns its decoding adapter."""
-    state = read_checkpoint("--drafter-path", path)
+    state = with_verifier_copies(read_checkpoint("--drafter-path", path), verifier_model, path)
     arch = checkpoint_arch(state)
     autoregressive = arch is not None and arch.startswith("transformer")
     if not (is_nar_drafter(state) or autoregressive):
@@ -181,8 +182,3 @@ def is_nar_drafter(state) -> bool:
     """Whether a checkpoint is a NAR drafter: a Spec-Drafter or a cached drafter."""
     model_class = ARCH_MODEL_REGISTRY.get(checkpoint_arch(state))
     return model_class is not None and issubclass(model_class, SpecDrafterModel)
-
-
-def checkpoint_arch(state) -> Optional[str]:
-    model = model_config(state)
-    return getattr(model, "arch", None) or getattr(model, "_name", None)

@@ -72,13 +72,14 @@ class SpecTranslator:
         device: Optional[str] = None,
         drafter_precision: str = DEFAULT_DRAFTER_PRECISION,
         verbose: bool = False,
+        dtype: torch.dtype = torch.float32,
         **settings,
     ) -> "SpecTranslator":
         """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``
-        (default: CUDA when available); ``drafter_precision`` (auto, fp32, int8) is the task's
-        ``--drafter-precision``. ``settings`` are the defaults of every call. fairseq's and
-        spec_nmt's INFO lines (dictionary sizes, loading) go to the log only when ``verbose``;
-        warnings always do."""
+        (default: CUDA when available) in ``dtype`` (torch.float16: as fairseq's --fp16);
+        ``drafter_precision`` (auto, fp32, int8) is the task's ``--drafter-precision``.
+        ``settings`` are the defaults of every call. fairseq's and spec_nmt's INFO lines
+        (dictionary sizes, loading) go to the log only when ``verbose``; warnings always do."""
         # fairseq sets the root logger to DEBUG when imported: an application embedding the
         # translator would print every loading step otherwise
         for name in ("fairseq", "spec_nmt"):
@@ -100,7 +101,7 @@ class SpecTranslator:
         task = SpecTranslationTask.setup_task(cfg)
         verifier = _load_verifier(model_dir / "verifier.pt", task)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        verifier = verifier.to(device=device, dtype=torch.float32).eval()
+        verifier = verifier.to(device=device, dtype=dtype).eval()
         drafter = load_drafter(task, str(drafter_path), verifier)
         spm_model = _load_sentencepiece(model_dir / "spm.model", task.source_dictionary,
                                         model_dir / f"dict.{source_lang}.txt")  # fmt: skip

@@ -97,9 +97,15 @@ def test_interactive_gives_one_output_per_line_in_order_and_stays_lossless(toy):
 
 
 
+def bundled_translator(device=None):
+    """The bundled pair with this file's settings, on ``device`` (default: CUDA if available)."""
+    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device=device, block_size=6,
+                                          max_len_a=0, max_len_b=12)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def translator():
-    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, block_size=6, max_len_a=0, max_len_b=12)
+    return bundled_translator()
 
 
 def test_the_api_gives_one_output_per_line_and_stays_lossless(translator):

@@ -58,6 +58,10 @@ def peaked(model, scale=2.0):
 
 @pytest.fixture(scope="module")
 def models():
+    return build_models()
+
+
+def build_models():
     dictionary = Dictionary()
     for i in range(5):
         dictionary.add_symbol(f"w{i}")

@@ -1,0 +1,198 @@
+"""The CPU tests' claims on a CUDA device: lossless decoding is token-identical to fairseq's greedy
+search (batch 1 and 32, fp32 and fp16 as fairseq's --fp16), block and tree scoring equal full
+recomputation, the chain and tree rules decide as on the CPU, speculative sampling and RSD sample
+exactly (chi-square), bad input gets its one-line errors.
+
+Skipped without CUDA. SPEC_NMT_TEST_DEVICE names another device (cpu: scripts/gpu_check.sh
+--dry-run runs this very file on the CPU); SPEC_NMT_TEST_SOURCE and SPEC_NMT_TEST_LINES choose
+the German sentences of the lossless tests (default: data/examples.de).
+
+The end-to-end tests (lossless, bad input, sampling) load their models onto the device and move
+their inputs there, as a user does, so a tensor the library leaves on the CPU fails them. The
+reused unit tests of the verifier cache and the rules run whole under ``torch.device``: what
+they check there is the device's arithmetic and kernels.
+"""
+
+import functools
+import os
+
+import pytest
+import torch
+from fairseq import utils
+from fairseq.sequence_generator import SequenceGenerator
+
+from spec_nmt.decoding import tree as trees
+from spec_nmt.decoding import verify
+from spec_nmt.errors import SpecNmtError
+from spec_nmt.translator import SpecTranslator
+from tests import test_bad_input, test_sampling_exact, test_tree, test_verifier_cache, test_verify
+from tests.conftest import BUNDLED_MODEL_DIR, REPO, script_module
+from tests.stats import chi_square_pvalue
+
+DEVICE = torch.device(os.environ.get("SPEC_NMT_TEST_DEVICE", "cuda"))
+SOURCE = os.environ.get("SPEC_NMT_TEST_SOURCE", str(REPO / "data" / "examples.de"))
+LINES = int(os.environ.get("SPEC_NMT_TEST_LINES", "64"))
+# both systems get the same length limit, so that fairseq's batch-wide limit (its longest
+# source) and spec-nmt's per-sentence one agree
+MAX_LEN_B = 200
+
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cuda" and not torch.cuda.is_available(),
+    reason="no CUDA device (SPEC_NMT_TEST_DEVICE=cpu runs these tests on the CPU)",
+)
+benchmark = script_module("benchmark", folder="benchmarks")
+
+
+def on_device(test):
+    """``test`` (a CPU test, its parametrisation kept) with every tensor it makes on DEVICE."""
+
+    @functools.wraps(test)
+    def on_the_device(*args, **kwargs):
+        with torch.device(DEVICE):
+            return test(*args, **kwargs)
+
+    return on_the_device
+
+
+# ----- lossless: token-identical to fairseq greedy -----------------------------------------------
+@pytest.fixture(scope="module", params=[torch.float32, torch.float16], ids=["fp32", "fp16"])
+def pair(request):
+    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device=DEVICE, dtype=request.param)
+
+
+@pytest.fixture(scope="module")
+def source_tokens(pair):
+    lines = benchmark.read_lines(SOURCE, LINES)
+    return pair.encode(lines)
+
+
+@pytest.mark.parametrize("batch_size", [1, 32])
+def test_lossless_is_token_identical_to_fairseq_greedy(pair, source_tokens, batch_size):
+    """The chain at the default k and a greedy tree, drafting in every batch, against fairseq's
+    SequenceGenerator on the same batches; the drafts must matter."""
+    assert next(pair.verifier.parameters()).device.type == DEVICE.type
+    systems = {
+        "fairseq greedy": SequenceGenerator([pair.verifier], pair.tgt_dict, beam_size=1,
+                                            max_len_a=0, max_len_b=MAX_LEN_B),
+        "chain": benchmark.speculating(pair, max_len_a=0, max_len_b=MAX_LEN_B),
+        "tree": benchmark.speculating(pair, tree_branching="3,1,1", max_len_a=0,
+                                      max_len_b=MAX_LEN_B),
+    }  # fmt: skip
+    results = benchmark.decode_all(pair, systems, source_tokens, batch_size)
+    expected = [t.tolist() for t in results["fairseq greedy"]["tokens"]]
+    for name in ("chain", "tree"):
+        found = [t.tolist() for t in results[name]["tokens"]]
+        differing = [line for line, (a, b) in enumerate(zip(found, expected)) if a != b]
+        assert not differing, f"{name}: lines {differing} differ from fairseq greedy"
+        assert systems[name].stats.accepted_tokens > 0
+
+
+# ----- the verifier's cache: block and tree scoring against full recomputation -----------------
+test_blocks_and_rollbacks_match_full_recomputation = on_device(
+    test_verifier_cache.test_blocks_and_rollbacks_match_full_recomputation
+)
+test_dropping_rows_keeps_the_others_exact = on_device(
+    test_verifier_cache.test_dropping_rows_keeps_the_others_exact
+)
+test_cache_holds_exactly_the_committed_prefix = on_device(
+    test_verifier_cache.test_cache_holds_exactly_the_committed_prefix_after_random_accepts_and_rejections
+)
+test_tree_scores_equal_each_path_decoded_alone = on_device(
+    test_verifier_cache.test_tree_scores_equal_each_path_decoded_alone
+)
+test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation = on_device(
+    test_verifier_cache.test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation
+)
+
+# ----- the rules: the CPU tests' literal decisions, then random cases against the CPU ----------
+test_all_drafts_accepted_then_bonus_token = on_device(
+    test_verify.test_all_drafts_accepted_then_bonus_token
+)
+test_beta_two_accepts_second_best_within_tau = on_device(
+    test_verify.test_beta_two_accepts_second_best_within_tau
+)
+test_tie_with_beta_one_follows_the_verifiers_own_choice = on_device(
+    test_verify.test_tie_with_beta_one_follows_the_verifiers_own_choice
+)
+test_rows_of_a_batch_are_independent = on_device(test_verify.test_rows_of_a_batch_are_independent)
+test_greedy_tree_acceptance_follows_the_verifiers_picks = on_device(
+    test_tree.test_greedy_tree_acceptance_follows_the_verifiers_picks
+)
+test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child = on_device(
+    test_tree.test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child
+)
+test_beam_tree_acceptance_follows_parents_across_the_level = on_device(
+    test_tree.test_beam_tree_acceptance_follows_parents_across_the_level
+)
+
+
+@pytest.mark.parametrize("beta, tau", [(1, 0.0), (3, 1.0)])
+def test_chain_and_tree_rules_decide_as_on_the_cpu(beta, tau):
+    """Random scores on a coarse grid, so that ties are common, and random drafts (distinct
+    within a row: siblings must differ), as a chain and as the hand-drawn tree of test_tree;
+    most chain entries' scores put their draft on top, so that drafts get accepted."""
+    generator = torch.Generator().manual_seed(5)
+    batch, vocab = 256, 9
+    scores = torch.randint(-3, 1, (batch, 7, vocab), generator=generator).float()
+    drafts = torch.rand(batch, vocab - 3, generator=generator).argsort(dim=1)[:, :6] + 3
+    favoured = torch.rand(batch, 6, 1, generator=generator) < 0.7
+    scores[:, :6].scatter_(2, drafts.unsqueeze(2), torch.where(favoured, 1.0, -3.0))
+    tree = trees.DraftTree(drafts, test_tree.PARENTS.expand(batch, -1),
+                           test_tree.DEPTHS, torch.ones(batch, 6, dtype=torch.bool))  # fmt: skip
+
+    def decisions(device):
+        on = trees.DraftTree(*(t.to(device) for t in tree[:4]))  # greedy: no draft_probs
+        chain = verify.accept_top_beta(drafts.to(device), scores.to(device), beta, tau,
+                                       test_tree.EOS)  # fmt: skip
+        branching = trees.accept_top_beta_tree(on, scores.to(device), beta, tau, test_tree.EOS)
+        return [t.cpu() for t in (*chain, *branching)]
+
+    cpu, device = decisions("cpu"), decisions(DEVICE)
+    for expected, found in zip(cpu, device):
+        assert torch.equal(expected, found)
+    n_chain, n_tree = cpu[0], cpu[3]
+    assert n_chain.min() == 0 and n_chain.max() >= 4 and n_tree.max() >= 2  # outcomes vary
+
+
+# ----- sampling: exact in distribution ------------------------------------------------------
+@pytest.fixture(scope="module")
+def models():
+    """test_sampling_exact's models, built on DEVICE (its own RNG: other weights than the CPU's,
+    so the reference is computed from these)."""
+    with torch.device(DEVICE):
+        return test_sampling_exact.build_models()
+
+
+@pytest.mark.parametrize("drafter", ["nar", "ar"])
+@pytest.mark.parametrize("rule", ["sampling", "rsd-c", "rsd-s"])
+def test_sampling_and_rsd_follow_the_verifier(models, drafter, rule):
+    generator = test_sampling_exact.speculative(models, drafter, rule)
+    to_device = functools.partial(utils.apply_to_sample, lambda t: t.to(DEVICE))
+    counts = test_sampling_exact.first_two_counts(
+        lambda sample: generator.generate(None, to_device(sample)), models["dictionary"]
+    )
+    with torch.device(DEVICE):
+        expected = test_sampling_exact.exact_joint(models).flatten().cpu()
+    pvalue = chi_square_pvalue(counts, expected)
+    assert generator.stats.accepted_tokens > 0.2 * test_sampling_exact.SAMPLES
+    assert pvalue > 1e-3, f"{rule} with the {drafter} drafter: p = {pvalue:.2e}"
+
+
+# ----- bad input ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def translator():
+    return test_bad_input.bundled_translator(DEVICE)
+
+
+test_the_api_gives_one_output_per_line_and_stays_lossless = (
+    test_bad_input.test_the_api_gives_one_output_per_line_and_stays_lossless
+)
+test_the_api_refuses_non_text_with_one_line = (
+    test_bad_input.test_the_api_refuses_non_text_with_one_line
+)
+
+
+def test_int8_drafts_in_fp16_are_refused_with_one_line():
+    with pytest.raises(SpecNmtError, match="int8 runs on the CPU in fp32 only"):
+        SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device=DEVICE, dtype=torch.float16,
+                                       drafter_precision="int8")  # fmt: skip
