@@ -66,10 +66,15 @@ def fairseq(tool, *args, input_text=None, check=True):
 
 
 def script_module(name, folder="scripts"):
-    """FOLDER/NAME.py imported as a module (scripts/ and benchmarks/ are no packages)."""
+    """FOLDER/NAME.py imported as a module (scripts/ and benchmarks/ are no packages); its
+    folder is on the import path meanwhile, as when it runs as a script."""
     spec = importlib.util.spec_from_file_location(name, REPO / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(REPO / folder))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / folder))
     return module
 
 

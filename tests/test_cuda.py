@@ -22,7 +22,7 @@ from fairseq import utils
 from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.decoding import tree as trees
-from spec_nmt.decoding import verify
+from spec_nmt.decoding import rules
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.translator import SpecTranslator
 from tests import test_bad_input, test_sampling_exact, test_tree, test_verifier_cache, test_verify
@@ -142,9 +142,9 @@ def test_chain_and_tree_rules_decide_as_on_the_cpu(beta, tau):
 
     def decisions(device):
         on = trees.DraftTree(*(t.to(device) for t in tree[:4]))  # greedy: no draft_probs
-        chain = verify.accept_top_beta(drafts.to(device), scores.to(device), beta, tau,
+        chain = rules.accept_top_beta(drafts.to(device), scores.to(device), beta, tau,
                                        test_tree.EOS)  # fmt: skip
-        branching = trees.accept_top_beta_tree(on, scores.to(device), beta, tau, test_tree.EOS)
+        branching = rules.accept_top_beta_tree(on, scores.to(device), beta, tau, test_tree.EOS)
         return [t.cpu() for t in (*chain, *branching)]
 
     cpu, device = decisions("cpu"), decisions(DEVICE)
