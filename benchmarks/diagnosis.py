@@ -7,10 +7,15 @@ token at a judged position is the verifier's: the accepted draft, or at the firs
 verifier's correction. A position after an accepted EOS is not judged.
 """
 
+import json
 import string
 import unicodedata
 from collections import defaultdict
+from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+
+import torch
+from common import environment, greedy_alone, load_pair, oracle, read_lines, speculating
 
 # sentencepiece's word-start mark
 WORD_START = "\u2581"
@@ -132,3 +137,34 @@ def markdown(tables: Dict[str, Dict], positions: int) -> List[str]:
             lines.append(f"| {group} | " + " | ".join(cells) + f" | {row['judged'][0]} |")
         lines.append("")
     return lines
+
+
+def acceptance(args):
+    """Where draft chains break: P(position i accepted | position i-1 accepted) for the drafter
+    (lossless, and the reference top-beta/tau) and the oracle at k = --block, overall, by source
+    length and by the kind of token the verifier wanted (diagnosis.py)."""
+    pair = load_pair(args)
+    src = read_lines(args.src, args.lines)
+    tokens = pair.encode(src)
+    systems = {
+        "drafter, lossless": speculating(pair, block_size=args.block),
+        f"drafter, beta {args.beta} tau {args.tau:g}": speculating(
+            pair, block_size=args.block, beta=args.beta, tau=args.tau),
+        "oracle, lossless": oracle(pair, tokens, greedy_alone(pair, tokens), args.block),
+    }  # fmt: skip
+    source_lengths = [t.numel() - 1 for t in tokens]  # without EOS
+    eos = pair.tgt_dict.eos()
+    tables = {}
+    for name, generator in systems.items():
+        table = AcceptanceTable()
+        with torch.inference_mode():
+            for lines, sample in pair.batches(tokens, args.batch_size):
+                trace = []
+                generator.generate([pair.verifier], sample, trace=trace)
+                table.add(trace, [source_lengths[line] for line in lines],
+                          pair.tgt_dict.__getitem__, eos)  # fmt: skip
+        tables[name] = table.as_dict()
+    print("\n".join(markdown(tables, min(args.block, 10))))
+    if args.json:
+        result = {"environment": environment(args), "block": args.block, "systems": tables}
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,0 +1,254 @@
+"""Modes ceiling and block-cost: the loop's ceiling (the oracle drafter), the real drafter and
+CTranslate2 per batch size with each iteration's cost split into phases, and what scoring a
+block of W entries costs the verifier."""
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from spec_nmt.decoding.loop import SpeculativeGenerator
+from spec_nmt.decoding.scorer import BlockScorer
+
+from common import (
+    MAX_LEN_A,
+    MAX_LEN_B,
+    PhaseTimer,
+    bleu,
+    decode_all,
+    defaults,
+    environment,
+    fairseq_generator,
+    greedy_alone,
+    greedy_steps,
+    load_pair,
+    now,
+    oracle,
+    read_lines,
+    speculating,
+    table,
+)
+
+
+def ceiling(args):
+    """Fairseq greedy against speculative lossless decoding with the oracle drafter (the ceiling
+    of the loop) and with the real drafter, per batch size, with each iteration's cost in greedy
+    steps split into draft, score, accept and commit; with --ref, each system's BLEU."""
+    pair = load_pair(args)
+    src = read_lines(args.src, args.lines)
+    refs = read_lines(args.ref, args.lines) if args.ref else None
+    tokens = pair.encode(src)
+    greedy = fairseq_generator(pair, 1)
+    alone = greedy_alone(pair, tokens)
+    dictionary = pair.tgt_dict
+    ctranslate2 = ctranslate2_runs(args) if args.ctranslate2 else {}
+    greedy_text = [dictionary.string(t) for t in alone]  # CTranslate2 gives pieces, not ids
+    rows = []
+    for batch_size in args.batch_sizes:
+        systems = {"fairseq greedy": greedy,
+                   "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
+                   "spec lossless, oracle drafter": oracle(pair, tokens, alone, args.block),
+                   "spec lossless, real drafter": speculating(pair, block_size=args.block),
+                   "spec-nmt defaults": defaults(pair)}  # fmt: skip
+        if args.beam5:
+            systems["fairseq beam5"] = fairseq_generator(pair, 5)
+        for block in args.lossless_blocks:
+            systems[f"spec lossless, real drafter k={block}"] = speculating(pair, block_size=block)
+        if args.top_beta:
+            block, beta, tau = args.top_beta
+            systems[f"spec k={block} beta={beta} tau={tau}"] = speculating(
+                pair, block_size=block, beta=beta, tau=tau
+            )
+        if args.tree_branching:
+            systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = speculating(
+                pair, tree_branching=args.tree_branching
+            )
+        for width, depth in args.beam_trees:
+            systems[f"spec lossless, real drafter, beam tree {width}x{depth}"] = speculating(
+                pair, block_size=depth, tree_budget=width * depth
+            )
+        decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
+        speculative = [name for name, g in systems.items() if isinstance(g, SpeculativeGenerator)]
+        # On a GPU the phase timers wait for the GPU at every phase, which would slow the timed
+        # run: there the breakdown comes from a second run of the speculative systems.
+        separate = pair.device.type == "cuda"
+        if not separate:
+            timers = {name: PhaseTimer(systems[name]) for name in speculative}
+        results = decode_all(pair, systems, tokens, batch_size)
+        broken_down = results
+        if separate:
+            timers = {name: PhaseTimer(systems[name]) for name in speculative}
+            broken_down = decode_all(pair, {name: systems[name] for name in speculative}, tokens,
+                                     batch_size)  # fmt: skip
+        base = results["fairseq greedy"]
+        step = base["seconds"] / greedy_steps(pair, base["tokens"], tokens, batch_size)
+        output_tokens = sum(t.numel() for t in base["tokens"])
+        for name, result in results.items():
+            row = {"batch_size": batch_size, "system": name, "block": args.block,
+                   "ms_per_output_token": round(1000 * result["seconds"] / output_tokens, 2),
+                   "speedup_vs_greedy": round(base["seconds"] / result["seconds"], 2),
+                   "identical_to_greedy": sum(torch.equal(a, b) for a, b in zip(result["tokens"], alone))}  # fmt: skip
+            if refs:
+                row["bleu"] = bleu(pair, result["tokens"], refs)[0]
+            if name in timers:
+                calls = systems[name].stats.batched_verifier_calls
+                row["tokens_per_verifier_call"] = result["tokens_per_verifier_call"]
+                row["greedy_steps_per_iteration"] = round(result["seconds"] / calls / step, 2)
+                for phase, seconds in timers[name].seconds.items():
+                    row[f"{phase}_greedy_steps"] = round(seconds / calls / step, 2)
+                untimed = broken_down[name]["seconds"] - sum(timers[name].seconds.values())
+                row["other_greedy_steps"] = round(untimed / calls / step, 2)
+            elif name == "fairseq greedy":
+                row["greedy_step_ms"] = round(1000 * step, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        fairseq_ms = 1000 * base["seconds"] / output_tokens
+        for compute_type, report in ctranslate2.items():
+            run_ = report[str(batch_size)]
+            ms = 1000 * run_["seconds"] / run_["output_tokens"]
+            rows.append({"batch_size": batch_size, "system": f"CTranslate2 {report['ctranslate2']} greedy {compute_type}",
+                         "ctranslate2_threads": run_["threads"],
+                         "ms_per_output_token": round(ms, 2), "speedup_vs_greedy": round(fairseq_ms / ms, 2),
+                         "identical_to_greedy": sum(a == b for a, b in zip(run_["outputs"], greedy_text))})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    result = {"mode": "ceiling", "lines": len(src), "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
+              "environment": environment(args), "rows": rows}  # fmt: skip
+    print(ceiling_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def ceiling_table(result):
+    columns = [
+        ("batch_size", "batch"), ("system", "system"), ("ms_per_output_token", "ms/token"),
+        ("speedup_vs_greedy", "× greedy"), ("tokens_per_verifier_call", "tokens/iteration"),
+        ("greedy_steps_per_iteration", "iteration (greedy steps)"), ("encode_greedy_steps", "encode"),
+        ("draft_greedy_steps", "draft"),
+        ("score_greedy_steps", "score"), ("accept_greedy_steps", "accept"),
+        ("commit_greedy_steps", "commit"), ("other_greedy_steps", "other"),
+        ("identical_to_greedy", f"= greedy (of {result['lines']})"), ("bleu", "BLEU"),
+        ("ctranslate2_threads", "CT2 threads"),
+    ]  # fmt: skip
+    return table(columns, result["rows"])
+
+
+# decoder inputs committed before the timed blocks: a sentence part-way through
+BLOCK_COST_PREFIX = 20
+
+
+def block_cost(args):
+    """Seconds per verifier call scoring W new entries after a committed prefix, per batch size
+    (the first batch-size lines of --src), relative to W = 1. With --compile, the same calls of
+    the scorer compiled by torch.compile (inductor) alternate with the eager ones."""
+    pair = load_pair(args)
+    tokens = pair.encode(read_lines(args.src, args.lines))
+    scorers = {"eager": BlockScorer(pair.verifier)}
+    if args.compile:
+        compiled = BlockScorer(pair.verifier)
+        # dynamic: block widths, cache lengths and batch sizes change from call to call
+        compiled.score_logits = torch.compile(compiled.score_logits, dynamic=True)
+        scorers["compiled"] = compiled
+    symbols = (pair.tgt_dict.nspecial, len(pair.tgt_dict))
+    rows = []
+    with torch.inference_mode():
+        for batch_size in args.batch_sizes:
+            if batch_size > len(tokens):
+                raise SystemExit(f"--batch-sizes {batch_size}: --src has only {len(tokens)} lines")
+            _, sample = next(pair.batches(tokens[:batch_size], batch_size))
+            prefix = torch.randint(*symbols, (batch_size, BLOCK_COST_PREFIX))
+            order = torch.arange(BLOCK_COST_PREFIX).expand(batch_size, -1)
+            states = {}
+            for name, scorer in scorers.items():
+                states[name] = scorer.start(sample["net_input"])
+                scorer.score_logits(states[name], prefix)
+                scorer.commit(states[name], order, torch.full((batch_size,), BLOCK_COST_PREFIX))
+            nothing = (order[:, :0], torch.zeros(batch_size, dtype=torch.long))
+
+            def call(name, block):  # the next block sees the same prefix
+                start = now()
+                logits = scorers[name].score_logits(states[name], block)
+                scorers[name].commit(states[name], *nothing)
+                return now() - start, logits
+
+            seconds, first_call = {}, {}
+            for width in args.widths:
+                block = torch.randint(*symbols, (batch_size, width))
+                first = {name: call(name, block) for name in scorers}
+                first_call[width] = {name: first[name][0] for name in scorers}
+                for _ in range(2):  # warm-up calls
+                    for name in scorers:
+                        call(name, block)
+                seconds[width] = dict.fromkeys(scorers, 0.0)
+                for _ in range(args.repeats):
+                    for name in scorers:
+                        seconds[width][name] += call(name, block)[0]
+                if args.compile:
+                    difference = (first["compiled"][1] - first["eager"][1]).abs().max()
+                    first_call[width]["difference"] = float(difference)
+            one = seconds[min(args.widths)]["eager"]
+            for width, total in seconds.items():
+                eager = total["eager"]
+                row = {"batch_size": batch_size, "width": width,
+                       "ms_per_call": round(1000 * eager / args.repeats, 3),
+                       "cost_vs_narrowest": round(eager / one, 2),
+                       "entries_per_narrowest_cost": round(width * one / eager, 2)}  # fmt: skip
+                if args.compile:
+                    row.update({
+                        "compiled_ms_per_call": round(1000 * total["compiled"] / args.repeats, 3),
+                        "compiled_vs_eager": round(total["compiled"] / eager, 2),
+                        "compiled_first_call_s": round(first_call[width]["compiled"], 2),
+                        "compiled_max_abs_logit_difference": first_call[width]["difference"],
+                    })  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    result = {"mode": "block-cost", "prefix": BLOCK_COST_PREFIX, "repeats": args.repeats,
+              "environment": environment(args), "rows": rows}  # fmt: skip
+    columns = [("batch_size", "batch"), ("width", "W"), ("ms_per_call", "ms per call"),
+               ("cost_vs_narrowest", "cost (× narrowest W)"),
+               ("entries_per_narrowest_cost", "entries per narrowest-W cost")]  # fmt: skip
+    if args.compile:
+        columns += [("compiled_ms_per_call", "compiled: ms per call"),
+                    ("compiled_vs_eager", "compiled ÷ eager"),
+                    ("compiled_first_call_s", "compiled: first call (s)"),
+                    ("compiled_max_abs_logit_difference", "largest logit difference")]  # fmt: skip
+    print(table(columns, rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def ctranslate2_runs(args):
+    """The verifier converted with CTranslate2's fairseq converter, greedy in fp32 and int8, each
+    timed in a process of its own (benchmarks/ctranslate2_greedy.py; never beside torch), with its
+    faster thread count (1 or torch's) per batch size."""
+    bin_dir = Path(sys.executable).parent
+    reports = {}
+    with tempfile.TemporaryDirectory() as converted:
+        subprocess.run(
+            [str(bin_dir / "ct2-fairseq-converter"), "--model_path", str(args.model_dir / "verifier.pt"),
+             "--data_dir", str(args.model_dir), "--source_lang", "de", "--target_lang", "en",
+             "--output_dir", converted, "--force"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        for compute_type in ("float32", "int8"):
+            # its best thread count per batch size: on 2 vCPUs one intra-op thread was up to 9x
+            # faster than two at batch 1
+            for threads in sorted({1, torch.get_num_threads()}):
+                out = subprocess.run(
+                    [sys.executable, str(Path(__file__).parent / "ctranslate2_greedy.py"), converted,
+                     str(args.model_dir / "spm.model"), "--src", str(args.src),
+                     "--lines", str(args.lines or 10**9), "--warmup-lines", str(args.warmup_lines),
+                     "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+                     "--compute-type", compute_type, "--threads", str(threads),
+                     "--max-len-a", str(MAX_LEN_A), "--max-len-b", str(MAX_LEN_B)],
+                    check=True, capture_output=True, text=True,
+                ).stdout  # fmt: skip
+                report = json.loads(out)
+                best = reports.setdefault(compute_type, {"ctranslate2": report["ctranslate2"]})
+                for batch_size in map(str, args.batch_sizes):
+                    run_ = dict(report[batch_size], threads=threads)
+                    if batch_size not in best or run_["seconds"] < best[batch_size]["seconds"]:
+                        best[batch_size] = run_
+    return reports
