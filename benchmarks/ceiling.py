@@ -33,6 +33,45 @@ from common import (
 )
 
 
+def ceiling_systems(args, pair, tokens, alone, greedy):
+    """The systems the ceiling mode times at one batch size, by name."""
+    systems = {"fairseq greedy": greedy,
+               "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
+               "spec lossless, oracle drafter": oracle(pair, tokens, alone, args.block),
+               "spec lossless, real drafter": speculating(pair, block_size=args.block),
+               "spec-nmt defaults": defaults(pair)}  # fmt: skip
+    if args.beam5:
+        systems["fairseq beam5"] = fairseq_generator(pair, 5)
+    for block in args.lossless_blocks:
+        systems[f"spec lossless, real drafter k={block}"] = speculating(pair, block_size=block)
+    if args.top_beta:
+        block, beta, tau = args.top_beta
+        systems[f"spec k={block} beta={beta} tau={tau}"] = speculating(
+            pair, block_size=block, beta=beta, tau=tau
+        )
+    if args.tree_branching:
+        systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = speculating(
+            pair, tree_branching=args.tree_branching
+        )
+    for width, depth in args.beam_trees:
+        systems[f"spec lossless, real drafter, beam tree {width}x{depth}"] = speculating(
+            pair, block_size=depth, tree_budget=width * depth
+        )
+    return systems
+
+
+def ctranslate2_row(report, compute_type: str, batch_size: int, fairseq_ms: float,
+                    greedy_text) -> dict:  # fmt: skip
+    """A CTranslate2 run's row beside fairseq greedy's ms per token and translations."""
+    run_ = report[str(batch_size)]
+    ms = 1000 * run_["seconds"] / run_["output_tokens"]
+    return {"batch_size": batch_size,
+            "system": f"CTranslate2 {report['ctranslate2']} greedy {compute_type}",
+            "ctranslate2_threads": run_["threads"], "ms_per_output_token": round(ms, 2),
+            "speedup_vs_greedy": round(fairseq_ms / ms, 2),
+            "identical_to_greedy": sum(a == b for a, b in zip(run_["outputs"], greedy_text))}  # fmt: skip
+
+
 def ceiling(args):
     """Fairseq greedy against speculative lossless decoding with the oracle drafter (the ceiling
     of the loop) and with the real drafter, per batch size, with each iteration's cost in greedy
@@ -48,28 +87,7 @@ def ceiling(args):
     greedy_text = [dictionary.string(t) for t in alone]  # CTranslate2 gives pieces, not ids
     rows = []
     for batch_size in args.batch_sizes:
-        systems = {"fairseq greedy": greedy,
-                   "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
-                   "spec lossless, oracle drafter": oracle(pair, tokens, alone, args.block),
-                   "spec lossless, real drafter": speculating(pair, block_size=args.block),
-                   "spec-nmt defaults": defaults(pair)}  # fmt: skip
-        if args.beam5:
-            systems["fairseq beam5"] = fairseq_generator(pair, 5)
-        for block in args.lossless_blocks:
-            systems[f"spec lossless, real drafter k={block}"] = speculating(pair, block_size=block)
-        if args.top_beta:
-            block, beta, tau = args.top_beta
-            systems[f"spec k={block} beta={beta} tau={tau}"] = speculating(
-                pair, block_size=block, beta=beta, tau=tau
-            )
-        if args.tree_branching:
-            systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = speculating(
-                pair, tree_branching=args.tree_branching
-            )
-        for width, depth in args.beam_trees:
-            systems[f"spec lossless, real drafter, beam tree {width}x{depth}"] = speculating(
-                pair, block_size=depth, tree_budget=width * depth
-            )
+        systems = ceiling_systems(args, pair, tokens, alone, greedy)
         decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
         speculative = [name for name, g in systems.items() if isinstance(g, SpeculativeGenerator)]
         # On a GPU the phase timers wait for the GPU at every phase, which would slow the timed
@@ -107,12 +125,7 @@ def ceiling(args):
             print(json.dumps(row), flush=True)
         fairseq_ms = 1000 * base["seconds"] / output_tokens
         for compute_type, report in ctranslate2.items():
-            run_ = report[str(batch_size)]
-            ms = 1000 * run_["seconds"] / run_["output_tokens"]
-            rows.append({"batch_size": batch_size, "system": f"CTranslate2 {report['ctranslate2']} greedy {compute_type}",
-                         "ctranslate2_threads": run_["threads"],
-                         "ms_per_output_token": round(ms, 2), "speedup_vs_greedy": round(fairseq_ms / ms, 2),
-                         "identical_to_greedy": sum(a == b for a, b in zip(run_["outputs"], greedy_text))})  # fmt: skip
+            rows.append(ctranslate2_row(report, compute_type, batch_size, fairseq_ms, greedy_text))
             print(json.dumps(rows[-1]), flush=True)
     result = {"mode": "ceiling", "lines": len(src), "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
               "environment": environment(args), "rows": rows}  # fmt: skip

@@ -72,6 +72,34 @@ def read_shards(shard_dir: Path, num_shards: int):
     return dict(sorted(pairs.items())), missing
 
 
+def write_data_bin(args, shard_dir: Path) -> None:
+    """OUT_DIR's data-bin from every translated shard: train = (source, translation) pairs
+    within the length limits, valid and test = DATA_BIN's (real references)."""
+    src, tgt = args.source_lang, args.target_lang
+    pairs, missing = read_shards(shard_dir, args.num_shards)
+    if missing:
+        logger.warning("shards %s of %d are not translated: the data-bin is a subset",
+                       ", ".join(map(str, missing)), args.num_shards)  # fmt: skip
+    with tempfile.TemporaryDirectory(dir=args.out_dir) as tmp:  # same file system: os.replace
+        prefix = Path(tmp) / "train"
+        with open(f"{prefix}.{src}", "w", encoding="utf-8") as fs, \
+                open(f"{prefix}.{tgt}", "w", encoding="utf-8") as ft:
+            for source, hypothesis in pairs.values():
+                fs.write(source + "\n")
+                ft.write(hypothesis + "\n")
+        kept = filter_pair_lengths(f"{prefix}.{src}", f"{prefix}.{tgt}", args.max_len, args.max_ratio)
+        # binarized aside, then moved in: fairseq-preprocess refuses a directory with a dictionary
+        run_fairseq_preprocess(src, tgt, Path(tmp) / "bin", trainpref=prefix,
+                               srcdict=args.data_bin / f"dict.{src}.txt")
+        for path in (Path(tmp) / "bin").iterdir():
+            os.replace(path, args.out_dir / path.name)
+    # Validation and test keep the real references: the drafter is judged on real data.
+    for path in args.data_bin.iterdir():
+        if path.name.startswith(("valid.", "test.")):
+            shutil.copy(path, args.out_dir / path.name)
+    logger.info("distilled %d of %d translated pairs into %s", kept, len(pairs), args.out_dir)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data_bin", type=Path, help="fairseq data-bin the verifier was trained on")
@@ -131,28 +159,7 @@ def main():
                 out.write(f"{sentence_id}\t{source}\t{hypothesis}\n")
         logger.info("shard %d of %d: %d sentences in %s", shard, args.num_shards, len(pairs), path)
 
-    pairs, missing = read_shards(shard_dir, args.num_shards)
-    if missing:
-        logger.warning("shards %s of %d are not translated: the data-bin is a subset",
-                       ", ".join(map(str, missing)), args.num_shards)  # fmt: skip
-    with tempfile.TemporaryDirectory(dir=args.out_dir) as tmp:  # same file system: os.replace
-        prefix = Path(tmp) / "train"
-        with open(f"{prefix}.{src}", "w", encoding="utf-8") as fs, \
-                open(f"{prefix}.{tgt}", "w", encoding="utf-8") as ft:
-            for source, hypothesis in pairs.values():
-                fs.write(source + "\n")
-                ft.write(hypothesis + "\n")
-        kept = filter_pair_lengths(f"{prefix}.{src}", f"{prefix}.{tgt}", args.max_len, args.max_ratio)
-        # binarized aside, then moved in: fairseq-preprocess refuses a directory with a dictionary
-        run_fairseq_preprocess(src, tgt, Path(tmp) / "bin", trainpref=prefix,
-                               srcdict=args.data_bin / f"dict.{src}.txt")
-        for path in (Path(tmp) / "bin").iterdir():
-            os.replace(path, args.out_dir / path.name)
-    # Validation and test keep the real references: the drafter is judged on real data.
-    for path in args.data_bin.iterdir():
-        if path.name.startswith(("valid.", "test.")):
-            shutil.copy(path, args.out_dir / path.name)
-    logger.info("distilled %d of %d translated pairs into %s", kept, len(pairs), args.out_dir)
+    write_data_bin(args, shard_dir)
 
 
 if __name__ == "__main__":
