@@ -9,10 +9,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from spec_nmt.decoding.loop import SpeculativeGenerator
-from spec_nmt.decoding.scorer import BlockScorer
-
 from common import (
     MAX_LEN_A,
     MAX_LEN_B,
@@ -31,6 +27,9 @@ from common import (
     speculating,
     table,
 )
+
+from spec_nmt.decoding.loop import SpeculativeGenerator
+from spec_nmt.decoding.scorer import BlockScorer
 
 
 def ceiling_systems(args, pair, tokens, alone, greedy):

@@ -7,9 +7,6 @@ import json
 from pathlib import Path
 
 import torch
-
-from spec_nmt.settings import DraftPlan
-
 from common import (
     MAX_LEN_A,
     MAX_LEN_B,
@@ -23,6 +20,8 @@ from common import (
     table,
     timed_runs,
 )
+
+from spec_nmt.settings import DraftPlan
 
 
 def sampling(args):

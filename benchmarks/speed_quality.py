@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-
-
 from common import (
     MAX_LEN_A,
     MAX_LEN_B,

@@ -26,7 +26,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from spec_nmt.data_prep import MAX_PIECES, filter_pair_lengths, run_fairseq_preprocess, translate_subset
+from spec_nmt.data_prep import (
+    MAX_PIECES,
+    filter_pair_lengths,
+    run_fairseq_preprocess,
+    translate_subset,
+)
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.files import written_whole
 

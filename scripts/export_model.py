@@ -42,8 +42,8 @@ from fairseq.data import Dictionary, data_utils
 # (importing spec_nmt also lets torch.load read fairseq checkpoints)
 from spec_nmt.checkpoint_loading import map_tied, save_checkpoint
 from spec_nmt.compact_drafter import VERIFIER_COPIES_KEY, copies_verifier, without_verifier_copies
-from spec_nmt.errors import SpecNmtError
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
+from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY, is_nar_drafter
 from spec_nmt.translator import SpecTranslator
 

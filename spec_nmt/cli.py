@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 from spec_nmt.decoding.loop import DecodingStats
 from spec_nmt.decoding.rules import RULES
-from spec_nmt.settings import DEFAULTS, flag_help
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
+from spec_nmt.settings import DEFAULTS, flag_help
 from spec_nmt.text import tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 

@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from spec_nmt.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.settings import DEFAULTS
 
 logger = logging.getLogger(__name__)
 

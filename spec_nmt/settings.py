@@ -10,8 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from spec_nmt.decoding.rules import RULES
-from spec_nmt.decoding.rules import check_sampling_params, check_top_beta_params
+from spec_nmt.decoding.rules import RULES, check_sampling_params, check_top_beta_params
 from spec_nmt.errors import SpecNmtError
 
 

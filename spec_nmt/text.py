@@ -18,7 +18,6 @@ import sys
 from typing import List
 
 import torch
-
 from sentence_splitter import SentenceSplitter, SentenceSplitterException
 
 logger = logging.getLogger(__name__)

@@ -29,14 +29,13 @@ from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.rules import RULES
-from spec_nmt.settings import DEFAULTS, DecodingSettings
 from spec_nmt.decoding.scorer import BlockScorer
-from spec_nmt.errors import SpecNmtError
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
-from spec_nmt.text import join_sentences, split_sentences
+from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, load_drafter
+from spec_nmt.settings import DEFAULTS, DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
-from spec_nmt.text import cut_to_limit
+from spec_nmt.text import cut_to_limit, join_sentences, split_sentences
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from spec_nmt import cli as translate_cli
-from spec_nmt.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.settings import DEFAULTS
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BUNDLED_MODEL_DIR, REPO
 

@@ -9,7 +9,11 @@ import torch
 from fairseq import checkpoint_utils
 
 from spec_nmt.checkpoint_loading import save_checkpoint
-from spec_nmt.compact_drafter import VERIFIER_COPIES_KEY, with_verifier_copies, without_verifier_copies
+from spec_nmt.compact_drafter import (
+    VERIFIER_COPIES_KEY,
+    with_verifier_copies,
+    without_verifier_copies,
+)
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY
 from spec_nmt.translator import SpecTranslator

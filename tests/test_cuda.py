@@ -21,11 +21,11 @@ import torch
 from fairseq import utils
 from fairseq.sequence_generator import SequenceGenerator
 
-from spec_nmt.decoding import tree as trees
 from spec_nmt.decoding import rules
+from spec_nmt.decoding import tree as trees
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.translator import SpecTranslator
-from tests import test_bad_input, test_sampling_exact, test_tree, test_verifier_cache, test_verify
+from tests import test_bad_input, test_rules, test_sampling_exact, test_tree, test_verifier_cache
 from tests.conftest import BUNDLED_MODEL_DIR, REPO, script_module
 from tests.stats import chi_square_pvalue
 
@@ -106,20 +106,20 @@ test_a_tree_fed_level_by_level_then_committed_matches_full_recomputation = on_de
 
 # ----- the rules: the CPU tests' literal decisions, then random cases against the CPU ----------
 test_all_drafts_accepted_then_bonus_token = on_device(
-    test_verify.test_all_drafts_accepted_then_bonus_token
+    test_rules.test_all_drafts_accepted_then_bonus_token
 )
 test_beta_two_accepts_second_best_within_tau = on_device(
-    test_verify.test_beta_two_accepts_second_best_within_tau
+    test_rules.test_beta_two_accepts_second_best_within_tau
 )
 test_tie_with_beta_one_follows_the_verifiers_own_choice = on_device(
-    test_verify.test_tie_with_beta_one_follows_the_verifiers_own_choice
+    test_rules.test_tie_with_beta_one_follows_the_verifiers_own_choice
 )
-test_rows_of_a_batch_are_independent = on_device(test_verify.test_rows_of_a_batch_are_independent)
+test_rows_of_a_batch_are_independent = on_device(test_rules.test_rows_of_a_batch_are_independent)
 test_greedy_tree_acceptance_follows_the_verifiers_picks = on_device(
-    test_tree.test_greedy_tree_acceptance_follows_the_verifiers_picks
+    test_rules.test_greedy_tree_acceptance_follows_the_verifiers_picks
 )
 test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child = on_device(
-    test_tree.test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child
+    test_rules.test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child
 )
 test_beam_tree_acceptance_follows_parents_across_the_level = on_device(
     test_tree.test_beam_tree_acceptance_follows_parents_across_the_level

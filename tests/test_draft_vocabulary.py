@@ -13,10 +13,10 @@ from fairseq.data import Dictionary
 from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.decoding import tree as trees
 from spec_nmt.drafters.cached_drafter import CachedDrafter
-from spec_nmt.settings import DraftPlan
 from spec_nmt.drafters.spec_drafter import NarDrafter, output_size, restrict_output
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY, read_draft_vocabulary
+from spec_nmt.settings import DraftPlan
 from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq, script_module
 from tests.test_cached_drafter import load_pair
 from tests.test_lossless import generate, hypotheses, mean_accepted

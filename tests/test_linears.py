@@ -7,11 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from spec_nmt.decoding import linears
+from spec_nmt.decoding import block_forward, linears
 from spec_nmt.decoding.linears import PackedLinears, packing_available
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.settings import DEFAULTS
-from spec_nmt.decoding import block_forward
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BUNDLED_MODEL_DIR
 from tests.test_verifier_cache import DECODER_VARIANTS, source_batch, tiny_transformer

@@ -13,8 +13,8 @@ from fairseq.sequence_generator import SequenceGenerator
 from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.decoding import tree
 from spec_nmt.decoding.loop import SpeculativeGenerator
-from spec_nmt.settings import DecodingSettings
 from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.settings import DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq
 

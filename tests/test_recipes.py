@@ -1,21 +1,28 @@
-"""The recipes as a new user meets them (issue 37): export_model.py cannot overwrite or mismatch
-a model pair, the verifier keeps the checkpoints its finishing step averages, usage lines and
-help texts say what runs, make translate's switches read 0 as off. (The campaign's verifier stage
-is FINISHED only after its finishing step: test_campaign.py.)"""
+"""The recipes' steps one by one: data preparation checks its input and reads WMT archives,
+drafters start from their verifier, the hydra configs train, export_model.py cannot overwrite or
+mismatch a model pair, the verifier keeps the checkpoints its finishing step averages, usage lines
+and help texts say what runs, make translate's switches read 0 as off. (The whole recipe runs in
+test_pipeline.py; the campaign's stages in test_campaign.py.)"""
 
 import ast
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import tarfile
 
 import pytest
+import torch
 from fairseq import checkpoint_utils
 from packaging.specifiers import SpecifierSet
 
 from spec_nmt.checkpoint_loading import save_checkpoint
-from tests.conftest import BUNDLED_MODEL_DIR, REPO
+from spec_nmt.data_prep import check_raw_dir
+from spec_nmt.errors import SpecNmtError
+from tests.conftest import BIN, BUNDLED_MODEL_DIR, REPO, fairseq, script_module
+from tests.toy_corpus import write_corpus
 
 PYTHON_SCRIPTS = sorted((REPO / "scripts").glob("*.py")) + [REPO / "benchmarks" / "benchmark.py"]
 
@@ -168,3 +175,78 @@ def test_benchmark_run_reports_the_defaults_acceptance_at_batch_1(tmp_path):
     defaults = rows["spec-nmt defaults"]
     assert defaults["mean_accepted_per_iteration"] == 0  # batches of 3 do not draft ...
     assert defaults["batch1_mean_accepted_per_iteration"] > 0  # ... one sentence does
+
+
+def test_init_from_verifier_rejects_a_different_encoder_shape(toy, tmp_path):
+    result = fairseq(
+        "train", toy["bin"], "--user-dir", REPO / "spec_nmt", "--task", "spec_translation",
+        "--arch", "spec_drafter_small", "--share-all-embeddings", "--criterion", "spec_drafter_loss",
+        "--init-from-verifier", toy["verifier"], "--max-update", 1, "--cpu",
+        "--save-dir", tmp_path, "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "500",
+        check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("spec_nmt error")]
+    assert len(error_lines) == 1 and "--init-from-verifier" in error_lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_prepare_checks_its_input(tmp_path):
+    raw = write_corpus(tmp_path / "raw", n_train=10, n_valid=3, n_test=3)
+    check_raw_dir(raw, "de", "en")
+    (raw / "valid.en").write_text("only one line\n")
+    with pytest.raises(SpecNmtError, match="valid.de has 3 lines but valid.en has 1"):
+        check_raw_dir(raw, "de", "en")
+    (raw / "test.de").unlink()
+    with pytest.raises(SpecNmtError, match="test.de is missing"):
+        check_raw_dir(raw, "de", "en", splits=("test",))
+
+
+def test_wmt14_recipe_reads_archives_and_sgml(tmp_path):
+    prepare_wmt14 = script_module("prepare_wmt14")
+    orig = tmp_path / "orig"
+    orig.mkdir()
+
+    def add(tar, name, text):
+        data = text.encode("utf-8")
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    with tarfile.open(orig / "train.tgz", "w:gz") as tar:
+        for corpus in ("training/europarl-v7.de-en", "commoncrawl.de-en", "training/news-commentary-v9.de-en"):
+            add(tar, f"{corpus}.de", "Hallo  Welt\n")
+            add(tar, f"{corpus}.en", "Hello world\n")
+    with tarfile.open(orig / "test.tgz", "w:gz") as tar:
+        add(tar, "dev/newstest2013.de", "Ja\n")
+        add(tar, "dev/newstest2013.en", "Yes\n")
+        sgm = '<srcset>\n<doc docid="1">\n<seg id="1">Gro&szlig;e &amp; kleine</seg>\n</doc>\n'
+        add(tar, "test-full/newstest2014-deen-src.de.sgm", sgm)
+        add(tar, "test-full/newstest2014-deen-ref.en.sgm", sgm.replace("Gro&szlig;e", "Big"))
+    prepare_wmt14.write_raw(orig, tmp_path / "raw")
+    assert (tmp_path / "raw" / "train.de").read_text() == "Hallo Welt\n" * 3
+    assert (tmp_path / "raw" / "valid.en").read_text() == "Yes\n"
+    assert (tmp_path / "raw" / "test.de").read_text() == "Große & kleine\n"
+    assert (tmp_path / "raw" / "test.en").read_text() == "Big & kleine\n"
+
+
+@pytest.mark.parametrize("config_dir", ["verifier", "drafter"])
+def test_hydra_configs_train(toy, tmp_path, config_dir):
+    overrides = [f"task.data={toy['bin']}", f"checkpoint.save_dir={tmp_path}",
+                 f"common.user_dir={REPO / 'spec_nmt'}", "common.cpu=true",
+                 "optimization.max_update=2", "dataset.max_tokens=1000"]  # fmt: skip
+    def hydra_train(*extra):
+        return subprocess.run(
+            [str(BIN / "fairseq-hydra-train"), "--config-dir", REPO / "configs" / config_dir,
+             "--config-name", "small", *overrides, *extra],
+            capture_output=True, text=True, cwd=tmp_path, check=False,
+        )  # fmt: skip
+
+    if config_dir == "drafter":
+        failed = hydra_train(f"+model.init_from_verifier={tmp_path / 'missing.pt'}")
+        assert failed.returncode != 0 and "missing.pt: no such file" in failed.stderr
+    result = hydra_train()
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    expected = {"verifier": "transformer", "drafter": "spec_drafter_small"}[config_dir]
+    assert state["cfg"]["model"]["_name"] == expected

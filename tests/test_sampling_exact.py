@@ -19,13 +19,17 @@ from fairseq.search import Sampling
 from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.decoding import rules as rules_module
-from spec_nmt.drafters.ar_drafter import ArDrafter
-from spec_nmt.drafters.spec_drafter import NarDrafter, restrict_output
-from spec_nmt.settings import DecodingSettings
 from spec_nmt.decoding.loop import SpeculativeGenerator
-from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.decoding.rules import sampling_probs
-from spec_nmt.drafters.spec_drafter import SpecDrafterModel, spec_drafter_architecture
+from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.drafters.ar_drafter import ArDrafter
+from spec_nmt.drafters.spec_drafter import (
+    NarDrafter,
+    SpecDrafterModel,
+    restrict_output,
+    spec_drafter_architecture,
+)
+from spec_nmt.settings import DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from tests.stats import chi_square_pvalue
 

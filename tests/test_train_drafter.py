@@ -7,14 +7,14 @@ import shutil
 import pytest
 import torch
 from fairseq import checkpoint_utils
-from fairseq.data import Dictionary
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from fairseq.data import Dictionary
 from omegaconf import OmegaConf
 
 from spec_nmt.criterions.spec_drafter_loss import SpecDrafterLoss
-from spec_nmt.errors import SpecNmtError
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.drafters.verifier_layout import adopt_verifier_layout
+from spec_nmt.errors import SpecNmtError
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import BLOCK_SIZE, train_drafter, train_losses
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
-from spec_nmt.settings import DEFAULTS
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import drafts_in_int8, INT8_LAYERS
+from spec_nmt.loading import INT8_LAYERS, drafts_in_int8
+from spec_nmt.settings import DEFAULTS
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BUNDLED_MODEL_DIR
 

@@ -8,8 +8,8 @@ import torch
 from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerModel, base_architecture
 
-from spec_nmt.decoding.tree import block_visibility
 from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.decoding.tree import block_visibility
 from spec_nmt.errors import SpecNmtError
 
 VOCAB = 24

@@ -25,9 +25,9 @@ import torch
 from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor
 
+from spec_nmt.decoding import block_forward
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.decoding import block_forward
 
 # initial cache slots per row; zero-filled so that unwritten slots hold no NaN for masked
 # attention weights to multiply

@@ -20,11 +20,11 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase, base_architecture
 from torch import Tensor
 
-from spec_nmt.errors import SpecNmtError
 from spec_nmt.decoding import block_forward
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer, ScorerState, value_range
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, NarDrafter, SpecDrafterModel, score_masks
+from spec_nmt.errors import SpecNmtError
 
 
 def cut_visibility(prefix_width: int, cuts: Tensor, block_size: int) -> Tensor:
