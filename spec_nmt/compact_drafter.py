@@ -19,8 +19,9 @@ from spec_nmt.checkpoint_loading import VERIFIER_COPIES_KEY, checkpoint_arch
 from spec_nmt.drafters.cached_drafter import CachedDrafterModel
 from spec_nmt.errors import SpecNmtError
 
-# VERIFIER_COPIES_KEY holds what was dropped: {"names": {drafter name: verifier name},
-# "extra_rows": {drafter name: rows beyond the verifier's}, "sha256": fingerprint of the copies}
+# A checkpoint's VERIFIER_COPIES_KEY holds what was dropped: {"names": {drafter name: verifier
+# name}, "extra_rows": {drafter name: rows beyond the verifier's}, "sha256": their fingerprint}.
+
 # drafter prefix -> the verifier's prefix of the same part
 COPIED_PARTS = {"encoder.": "encoder."}
 

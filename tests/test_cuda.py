@@ -5,7 +5,8 @@ exactly (chi-square), bad input gets its one-line errors.
 
 Skipped without CUDA. SPEC_NMT_TEST_DEVICE names another device (cpu: scripts/gpu_check.sh
 --dry-run runs this very file on the CPU); SPEC_NMT_TEST_SOURCE and SPEC_NMT_TEST_LINES choose
-the German sentences of the lossless tests (default: data/examples.de).
+the German sentences of the lossless tests (default: data/examples.de), SPEC_NMT_TEST_SAMPLES
+the chi-square tests' samples (a multiple of test_sampling_exact.BATCH; default its SAMPLES).
 
 The end-to-end tests (lossless, bad input, sampling) load their models onto the device and move
 their inputs there, as a user does, so a tensor the library leaves on the CPU fails them. The
@@ -32,6 +33,7 @@ from tests.stats import chi_square_pvalue
 DEVICE = torch.device(os.environ.get("SPEC_NMT_TEST_DEVICE", "cuda"))
 SOURCE = os.environ.get("SPEC_NMT_TEST_SOURCE", str(REPO / "data" / "examples.de"))
 LINES = int(os.environ.get("SPEC_NMT_TEST_LINES", "64"))
+SAMPLES = int(os.environ.get("SPEC_NMT_TEST_SAMPLES", test_sampling_exact.SAMPLES))
 # both systems get the same length limit, so that fairseq's batch-wide limit (its longest
 # source) and spec-nmt's per-sentence one agree
 MAX_LEN_B = 200
@@ -165,7 +167,8 @@ def models():
 
 @pytest.mark.parametrize("drafter", ["nar", "ar"])
 @pytest.mark.parametrize("rule", ["sampling", "rsd-c", "rsd-s"])
-def test_sampling_and_rsd_follow_the_verifier(models, drafter, rule):
+def test_sampling_and_rsd_follow_the_verifier(models, drafter, rule, monkeypatch):
+    monkeypatch.setattr(test_sampling_exact, "SAMPLES", SAMPLES)
     generator = test_sampling_exact.speculative(models, drafter, rule)
     to_device = functools.partial(utils.apply_to_sample, lambda t: t.to(DEVICE))
     counts = test_sampling_exact.first_two_counts(
@@ -174,7 +177,7 @@ def test_sampling_and_rsd_follow_the_verifier(models, drafter, rule):
     with torch.device(DEVICE):
         expected = test_sampling_exact.exact_joint(models).flatten().cpu()
     pvalue = chi_square_pvalue(counts, expected)
-    assert generator.stats.accepted_tokens > 0.2 * test_sampling_exact.SAMPLES
+    assert generator.stats.accepted_tokens > 0.2 * SAMPLES
     assert pvalue > 1e-3, f"{rule} with the {drafter} drafter: p = {pvalue:.2e}"
 
 

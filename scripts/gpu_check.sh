@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# The GPU check of issue 34: the CUDA tests (tests/test_cuda.py) and the GPU benchmark
+# (benchmarks/benchmark.py ceiling on newstest2014, fp32 and fp16, batch 1, 8, 32, 128) in one
+# run of at most 9 minutes, writing gpu_check.log, gpu_check.json and tests.xml into $OUT.
+#
+# 1. Here, once (pip and ../shared/data/bench-de-en needed):
+#        scripts/gpu_check.sh --prepare
+#    fills gpu-carry/ (git-ignored) with the cp312 manylinux wheels the GPU machine lacks
+#    (ve-fairseq, hydra-core, omegaconf, antlr4-python3-runtime, bitarray, sentence-splitter)
+#    and newstest2014's source and reference, then prints what would travel against the 64 MiB
+#    limit.
+# 2. Here, before any GPU run: the same steps on the CPU at tiny sizes, into the folder OUT:
+#        OUT=/tmp/gpu-dry scripts/gpu_check.sh --dry-run
+# 3. On the GPU machine (the device tool's run, from the repository root, carry ["gpu-carry"]):
+#        scripts/gpu_check.sh
+#    It installs the wheels into /tmp/site, prints nvidia-smi and torch's version, runs the
+#    tests, then the benchmarks, each in its share of what is left of BUDGET_S seconds, so the
+#    log and JSON come back even when a step runs out of time.
+#
+# Sizes (environment): TEST_LINES (lossless tests), TEST_SAMPLES (chi-square tests),
+# BATCH1_LINES and BATCHED_LINES (benchmark lines at batch 1 and at the other batch sizes),
+# BUDGET_S. ctranslate2 (42.8 MB) does not fit
+# beside the wheels: the CUDA CTranslate2 rows need a run of their own.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+CARRY=gpu-carry
+MODEL_DIR=data/models/bench-de-en
+LIMIT_BYTES=$((64 * 1024 * 1024))
+MODE=${1:-gpu}
+
+prepare() {
+    local python=${PYTHON:-python3} data=${BENCH_DATA:-../shared/data/bench-de-en}
+    mkdir -p "$CARRY/wheels" "$CARRY/data"
+    rm -f "$CARRY"/wheels/*.whl
+    local platforms="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+    # --no-deps: each missing package named; the GPU machine has the rest (torch, numpy, regex,
+    # sacrebleu, scikit-learn, pyyaml, ...); fairseq never imports cffi, which it lists
+    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp $platforms -d "$CARRY/wheels" \
+        ve-fairseq==0.12.3 hydra-core==1.3.8 omegaconf==2.3.1 bitarray==3.12.3 \
+        sentence-splitter==1.4 || return 1
+    # antlr4-python3-runtime 4.9.3 (what omegaconf 2.3 and hydra 1.3 pin) is published as
+    # source only: build its pure-Python wheel here
+    "$python" -m pip wheel -q --no-deps -w "$CARRY/wheels" antlr4-python3-runtime==4.9.3 || return 1
+    install -m 644 "$data/test.de" "$data/test.en" "$CARRY/data/" || return 1
+    travel_size
+}
+
+travel_size() {
+    # what the device tool sends: tracked files, untracked files git does not ignore, the carry
+    local tracked untracked carried total
+    tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    untracked=$(git ls-files -z -o --exclude-standard | xargs -0 -r du -cb | tail -1 | cut -f1)
+    carried=$(du -sb "$CARRY" | cut -f1)
+    total=$((tracked + ${untracked:-0} + carried))
+    awk -v t="$tracked" -v u="${untracked:-0}" -v c="$carried" -v l="$LIMIT_BYTES" -v n="$CARRY" \
+        'BEGIN { m = 1048576; printf "travel: tracked %.1f MiB + untracked %.1f MiB + %s %.1f MiB = %.1f MiB of %d MiB\n", t / m, u / m, n, c / m, (t + u + c) / m, l / m }'
+    if ((total > LIMIT_BYTES)); then
+        echo "travel: over the limit by $(((total - LIMIT_BYTES) / 1024)) KiB" >&2
+        return 1
+    fi
+}
+
+case $MODE in
+--prepare)
+    prepare
+    exit
+    ;;
+--dry-run)
+    : "${OUT:?--dry-run writes into the folder OUT: OUT=/tmp/gpu-dry $0 --dry-run}"
+    PY=${PYTHON:-/work/main/.venv/bin/python}
+    DEVICE=cpu
+    # tiny: the same steps, minutes on two shared cores (fp16 runs slowly on a CPU)
+    TEST_LINES=${TEST_LINES:-4} TEST_SAMPLES=${TEST_SAMPLES:-5000}
+    BATCH1_LINES=${BATCH1_LINES:-2} BATCHED_LINES=${BATCHED_LINES:-4}
+    BATCHED_SIZES=2,4 WARMUP_LINES=1 BUDGET_S=${BUDGET_S:-2100}
+    ;;
+gpu)
+    : "${OUT:?the device tool sets OUT}"
+    PY=python3
+    DEVICE=cuda
+    # sized from guessed GPU step times to fit 9 minutes with the install and the tests; raise
+    # them once a first run's log shows the steps' times
+    TEST_LINES=${TEST_LINES:-64} TEST_SAMPLES=${TEST_SAMPLES:-20000}
+    BATCH1_LINES=${BATCH1_LINES:-24} BATCHED_LINES=${BATCHED_LINES:-128}
+    BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-530}
+    ;;
+*)
+    echo "usage: $0 [--prepare | --dry-run]" >&2
+    exit 2
+    ;;
+esac
+
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+WORK=$(mktemp -d)
+STEPS=()  # "name status seconds" per step, for the JSON
+
+step() {  # step NAME SHARE COMMAND...: run with at most 1/SHARE of the seconds left
+    local name=$1 share=$2 left limit start status
+    shift 2
+    left=$((BUDGET_S - SECONDS))
+    limit=$((left / share))
+    echo "=== $name (at most ${limit} s of ${left} s left) ==="
+    if ((limit < 10)); then
+        STEPS+=("$name skipped 0")
+        echo "=== $name: skipped, no time left ==="
+        return
+    fi
+    start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@"
+    status=$?
+    ((status == 124 || status == 137)) && status=timeout
+    STEPS+=("$name $status $((SECONDS - start))")
+    echo "=== $name: $status after $((SECONDS - start)) s ==="
+}
+
+echo "gpu_check $MODE: $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+if [[ $MODE == gpu ]]; then
+    # the carried wheels, --no-deps: two versions of a package would stop the whole install
+    "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site \
+        "$CARRY"/wheels/*.whl || { echo "gpu_check: installing $CARRY/wheels failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    # the same wheels checked against the GPU machine's Python (cp312) without installing them
+    "$PY" -m pip install -q --dry-run --no-index --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --target "$WORK/site" \
+        "$CARRY"/wheels/*.whl || { echo "gpu_check: $CARRY/wheels do not install on cp312"; exit 1; }
+    echo "wheels: $(ls "$CARRY"/wheels | tr '\n' ' ')"
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+nvidia-smi || echo "nvidia-smi: none here"
+"$PY" -c 'import torch, fairseq; print("torch", torch.__version__, "cuda", torch.version.cuda,
+    "available", torch.cuda.is_available(), "fairseq", fairseq.__version__)' ||
+    { echo "gpu_check: torch or fairseq does not import"; exit 1; }
+
+step tests 2 env SPEC_NMT_TEST_DEVICE=$DEVICE SPEC_NMT_TEST_SOURCE=$CARRY/data/test.de \
+    SPEC_NMT_TEST_LINES=$TEST_LINES SPEC_NMT_TEST_SAMPLES=$TEST_SAMPLES "$PY" -m pytest -q -p no:cacheprovider -p no:xdist -rfE --durations=10 \
+    --junitxml="$OUT/tests.xml" tests/test_cuda.py
+
+# the benchmarks: newstest2014, every system at every batch size in each precision
+BENCH=(benchmarks/benchmark.py ceiling "$MODEL_DIR" --src "$CARRY/data/test.de"
+       --ref "$CARRY/data/test.en" --device "$DEVICE" --warmup-lines "$WARMUP_LINES"
+       --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1)  # k = 3 is the default; 5:3:1 the sweep's pick
+RUNS=("fp32 1 $BATCH1_LINES" "fp16 1 $BATCH1_LINES" "fp32 $BATCHED_SIZES $BATCHED_LINES"
+      "fp16 $BATCHED_SIZES $BATCHED_LINES")
+for index in "${!RUNS[@]}"; do
+    read -r precision sizes lines <<<"${RUNS[$index]}"
+    name="bench-$precision-batch-${sizes//,/-}"
+    step "$name" $((${#RUNS[@]} - index)) "$PY" "${BENCH[@]}" --lines "$lines" --batch-sizes "$sizes" \
+        $([[ $precision == fp16 ]] && echo --fp16) --json "$WORK/$name.json"
+done
+
+# one JSON: the steps' outcomes, the tests' counts and failures, every benchmark row
+printf '%s\n' "${STEPS[@]}" >"$WORK/steps.txt"
+"$PY" - "$WORK" "$OUT" "$MODE" <<'EOF'
+import json, subprocess, sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+work, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                      "--format=csv,noheader"], capture_output=True, text=True) if mode == "gpu" else None
+summary = {"mode": mode, "gpu": smi.stdout.strip() if smi else None, "steps": [], "tests": None,
+           "benchmarks": {}}
+for line in (work / "steps.txt").read_text().splitlines():
+    name, status, seconds = line.split()
+    summary["steps"].append({"step": name, "status": status, "seconds": int(seconds)})
+if (out / "tests.xml").exists():
+    suite = ElementTree.parse(out / "tests.xml").getroot().find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    failed = [case.get("name") for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    summary["tests"] = dict(counts, failed=failed, seconds=float(suite.get("time", 0)))
+for path in sorted(work.glob("bench-*.json")):
+    summary["benchmarks"][path.stem] = json.loads(path.read_text())
+(out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+print("=== summary ===")
+for step in summary["steps"]:
+    print(f"{step['step']}: {step['status']} ({step['seconds']} s)")
+if summary["tests"]:
+    tests = summary["tests"]
+    passed = tests["tests"] - tests["failures"] - tests["errors"] - tests["skipped"]
+    print(f"tests: {passed} passed, {tests['failures']} failed, {tests['errors']} errors, "
+          f"{tests['skipped']} skipped; failed: {tests['failed'] or 'none'}")
+for name, result in summary["benchmarks"].items():
+    print(f"{name} ({result['lines']} lines, {result['environment'].get('gpu', 'cpu')}):")
+    for row in result["rows"]:
+        print(f"  batch {row['batch_size']:>3}  {row['system']:<40} {row['ms_per_output_token']:>8} ms/token"
+              f"  x{row['speedup_vs_greedy']:<5} BLEU {row.get('bleu', '-'):<6}"
+              f" = greedy {row['identical_to_greedy']}/{result['lines']}")
+EOF
+echo "gpu_check: done in $SECONDS s; $OUT holds $(ls "$OUT" | tr '\n' ' ')"
+rm -rf "$WORK"
