@@ -166,5 +166,9 @@ def acceptance(args):
         tables[name] = table.as_dict()
     print("\n".join(markdown(tables, min(args.block, 10))))
     if args.json:
-        result = {"environment": environment(args), "block": args.block, "systems": tables}
+        # a row per system, its overall P(i | i-1) first (what plot.py draws)
+        rows = [dict(system=name, acceptance_by_position=table["groups"]["all"]
+                     ["acceptance_by_position"], **table) for name, table in tables.items()]  # fmt: skip
+        result = {"mode": "acceptance", "lines": len(src), "block": args.block,
+                  "environment": environment(args), "rows": rows}  # fmt: skip
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -37,6 +37,8 @@ SYSTEM_LABELS = {
 CTRANSLATE2 = "CTranslate2"
 # row keys that hold acceptance by draft position (a list, position 1 first)
 POSITION_KEYS = ("acceptance_by_position", "accepted_by_position")
+# the fewest judged drafts at a position for its acceptance to be drawn
+MIN_JUDGED = 30
 FIGSIZE, DPI = (6.4, 4.4), 100
 
 
@@ -108,7 +110,11 @@ def position_rows(results: Path):
             for row in result["rows"]:
                 for key in POSITION_KEYS:
                     if isinstance(row.get(key), list):
-                        yield f"{row.get('system', path.stem)} ({path.stem})", row[key], result
+                        values = row[key]
+                        judged = row.get("judged")
+                        if judged:  # positions judged too rarely to give a rate are left out
+                            values = values[: sum(1 for n in judged if n >= MIN_JUDGED)]
+                        yield f"{row.get('system', path.stem)} ({path.stem})", values, result
 
 
 def acceptance_by_position(results: Path, out: Path):
