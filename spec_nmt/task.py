@@ -46,7 +46,7 @@ DRAFTER_PRECISIONS = ChoiceEnum(list(DRAFTER_PRECISION_NAMES))
 
 
 @dataclass
-class DrafterConfig(TranslationConfig):
+class SpecTranslationBaseConfig(TranslationConfig):
     """The task's own options; the decoding options join them from DecodingSettings."""
 
     cuts_per_sentence: int = field(
@@ -107,7 +107,7 @@ def _decoding_options():
 
 
 SpecTranslationConfig = dataclasses.make_dataclass(
-    "SpecTranslationConfig", _decoding_options(), bases=(DrafterConfig,)
+    "SpecTranslationConfig", _decoding_options(), bases=(SpecTranslationBaseConfig,)
 )
 
 
