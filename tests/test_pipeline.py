@@ -141,7 +141,7 @@ def shard_pairs(shard_dir):
 def test_distillation_goes_on_where_it_stopped_shard_by_shard(pipeline, tmp_path):
     out = tmp_path / "distilled"
     command = [sys.executable, "scripts/distill.py", pipeline["data"] / "bin", pipeline["verifier"],
-               out, "--beam", 1, "--cpu", "--num-shards", 3]  # fmt: skip
+               out, "--beam", 5, "--cpu", "--num-shards", 3]  # fmt: skip
     run(*command, "--shard-id", 1)  # as if stopped after one shard
     shards = sorted(p.name for p in (out / "shards").iterdir())
     assert shards == ["settings.json", "shard-1-of-3.tsv"]
@@ -204,10 +204,11 @@ def test_exported_models_are_fp16_without_optimizer_state(pipeline, model):
         assert state["last_optimizer_state"] is None
         assert all(t.dtype == torch.float16 for t in state["model"].values() if t.is_floating_point())
         assert state["cfg"]["task"]["data"] == "."
-        # about half the fp32 weights (tied ones stored once), nothing else of size
+        # half the fp32 weights (tied ones stored once) and a configuration of a few KiB,
+        # nothing else of size
         stored = {t.untyped_storage().data_ptr(): t for t in state["model"].values()}
         fp32_bytes = sum(4 * t.numel() for t in stored.values())
-        assert (model_dir / name).stat().st_size < 0.6 * fp32_bytes
+        assert (model_dir / name).stat().st_size < 0.5 * fp32_bytes + 64 * 1024
     for name in ("dict.de.txt", "dict.en.txt", "spm.model"):
         assert (model_dir / name).is_file()
     # the drafter drafts over the symbols of the training targets (the default size is larger
