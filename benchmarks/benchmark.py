@@ -42,7 +42,7 @@ k + 1 tokens for the cost of W = k + 1:
 (--compile: the same calls of the scorer compiled by torch.compile, alternated with the eager ones.)
 
 MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py);
---drafter PATH replaces drafter.pt (e.g. an autoregressive drafter).
+--drafter-path PATH replaces drafter.pt (e.g. an autoregressive drafter), as in spec-nmt-translate.
 Systems: fairseq greedy and beam 5 (stock SequenceGenerator), speculative lossless (beta 1,
 tau 0) and speculative top-beta/tau. BLEU is sacreBLEU on detokenized, cased output of the
 large-batch run. Timing: each batch (or, for latency, each sentence) runs every system in a
@@ -73,7 +73,7 @@ def common_flags() -> argparse.ArgumentParser:
     flags.add_argument("model_dir", type=Path, help="verifier.pt, drafter.pt, dict.*.txt, spm.model")
     flags.add_argument("--src", required=True, help="raw source sentences, one per line")
     flags.add_argument("--lines", type=int, default=None, help="use only the first N lines")
-    flags.add_argument("--drafter", default=None,
+    flags.add_argument("--drafter-path", default=None,
                        help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
     flags.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES,
                        default=DEFAULT_DRAFTER_PRECISION,

@@ -53,7 +53,7 @@ def defaults(pair: SpecTranslator) -> SpeculativeGenerator:
 
 
 def load_pair(args) -> SpecTranslator:
-    return SpecTranslator.from_pretrained(args.model_dir, args.drafter, device=args.device,
+    return SpecTranslator.from_pretrained(args.model_dir, args.drafter_path, device=args.device,
                                           drafter_precision=args.drafter_precision,
                                           dtype=dtype(args))  # fmt: skip
 
