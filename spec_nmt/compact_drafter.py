@@ -99,8 +99,9 @@ def with_verifier_copies(state, verifier_model, path: str):
         rebuilt[name] = tensor if extra is None else torch.cat([tensor, extra.to(tensor.dtype)])
     if len(rebuilt) < len(record["names"]) or _fingerprint(rebuilt.items()) != record["sha256"]:
         raise SpecNmtError(
-            f"--drafter-path {path} was exported for another verifier (its copy of the verifier's "
-            "encoder differs from this one's): it decodes only with the verifier it was trained on"
+            f"--drafter-path {path}: the drafter was trained on another verifier's encoder (the "
+            "fingerprint of its copy differs from this verifier's): it decodes only with the "
+            "verifier given to --init-from-verifier"
         )
     model = dict(state["model"], **rebuilt)
     return dict(state, model=model)

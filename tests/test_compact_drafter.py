@@ -70,7 +70,7 @@ def test_a_verifier_with_another_encoder_refuses_the_compact_drafter(drafters):
     with_verifier_copies(state, verifier, str(compact))  # the right one passes
     with torch.no_grad():
         verifier.encoder.layers[0].fc1.weight[0, 0] += 0.01
-    with pytest.raises(SpecNmtError, match="exported for another verifier"):
+    with pytest.raises(SpecNmtError, match="trained on another verifier's encoder"):
         with_verifier_copies(state, verifier, str(compact))
 
 
