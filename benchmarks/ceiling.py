@@ -20,12 +20,14 @@ from common import (
     fairseq_generator,
     greedy_alone,
     greedy_steps,
+    load_inputs,
     load_pair,
     now,
     oracle,
     read_lines,
     speculating,
     table,
+    write_result,
 )
 
 from spec_nmt.decoding.loop import SpeculativeGenerator
@@ -75,10 +77,7 @@ def ceiling(args):
     """Fairseq greedy against speculative lossless decoding with the oracle drafter (the ceiling
     of the loop) and with the real drafter, per batch size, with each iteration's cost in greedy
     steps split into draft, score, accept and commit; with --ref, each system's BLEU."""
-    pair = load_pair(args)
-    src = read_lines(args.src, args.lines)
-    refs = read_lines(args.ref, args.lines) if args.ref else None
-    tokens = pair.encode(src)
+    pair, src, refs, tokens = load_inputs(args)
     greedy = fairseq_generator(pair, 1)
     alone = greedy_alone(pair, tokens)
     dictionary = pair.tgt_dict
@@ -129,8 +128,7 @@ def ceiling(args):
     result = {"mode": "ceiling", "lines": len(src), "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
               "environment": environment(args), "rows": rows}  # fmt: skip
     print(ceiling_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args, result)
 
 
 def ceiling_table(result):
@@ -227,8 +225,7 @@ def block_cost(args):
                     ("compiled_first_call_s", "compiled: first call (s)"),
                     ("compiled_max_abs_logit_difference", "largest logit difference")]  # fmt: skip
     print(table(columns, rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args, result)
 
 
 def ctranslate2_runs(args):

@@ -4,6 +4,7 @@ environment record and the flag parsers."""
 
 import argparse
 import copy
+import json
 import platform
 import subprocess
 import sys
@@ -56,6 +57,20 @@ def load_pair(args) -> SpecTranslator:
     return SpecTranslator.from_pretrained(args.model_dir, args.drafter_path, device=args.device,
                                           drafter_precision=args.drafter_precision,
                                           dtype=dtype(args))  # fmt: skip
+
+
+def load_inputs(args):
+    """(pair, source lines, reference lines or None, source token ids): what every mode reads."""
+    pair = load_pair(args)
+    src = read_lines(args.src, args.lines)
+    refs = read_lines(args.ref, args.lines) if getattr(args, "ref", None) else None
+    return pair, src, refs, pair.encode(src)
+
+
+def write_result(args, result: dict) -> None:
+    """The mode's result as JSON to --json, when given."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
 def dtype(args) -> torch.dtype:

@@ -7,15 +7,13 @@ token at a judged position is the verifier's: the accepted draft, or at the firs
 verifier's correction. A position after an accepted EOS is not judged.
 """
 
-import json
 import string
 import unicodedata
 from collections import defaultdict
-from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 import torch
-from common import environment, greedy_alone, load_pair, oracle, read_lines, speculating
+from common import environment, greedy_alone, load_inputs, oracle, speculating, write_result
 
 # sentencepiece's word-start mark
 WORD_START = "\u2581"
@@ -143,9 +141,7 @@ def acceptance(args):
     """Where draft chains break: P(position i accepted | position i-1 accepted) for the drafter
     (lossless, and the reference top-beta/tau) and the oracle at k = --block, overall, by source
     length and by the kind of token the verifier wanted (diagnosis.py)."""
-    pair = load_pair(args)
-    src = read_lines(args.src, args.lines)
-    tokens = pair.encode(src)
+    pair, src, _, tokens = load_inputs(args)
     systems = {
         "drafter, lossless": speculating(pair, block_size=args.block),
         f"drafter, beta {args.beta} tau {args.tau:g}": speculating(
@@ -165,10 +161,8 @@ def acceptance(args):
                           pair.tgt_dict.__getitem__, eos)  # fmt: skip
         tables[name] = table.as_dict()
     print("\n".join(markdown(tables, min(args.block, 10))))
-    if args.json:
-        # a row per system, its overall P(i | i-1) first (what plot.py draws)
-        rows = [dict(system=name, acceptance_by_position=table["groups"]["all"]
-                     ["acceptance_by_position"], **table) for name, table in tables.items()]  # fmt: skip
-        result = {"mode": "acceptance", "lines": len(src), "block": args.block,
-                  "environment": environment(args), "rows": rows}  # fmt: skip
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    # a row per system, its overall P(i | i-1) first (what plot.py draws)
+    rows = [dict(system=name, acceptance_by_position=table["groups"]["all"]
+                 ["acceptance_by_position"], **table) for name, table in tables.items()]  # fmt: skip
+    write_result(args, {"mode": "acceptance", "lines": len(src), "block": args.block,
+                        "environment": environment(args), "rows": rows})  # fmt: skip

@@ -4,7 +4,6 @@ per temperature: speed and BLEU of the samples."""
 import argparse
 import itertools
 import json
-from pathlib import Path
 
 import torch
 from common import (
@@ -14,11 +13,11 @@ from common import (
     bleu,
     environment,
     fairseq_sampler,
-    load_pair,
-    read_lines,
+    load_inputs,
     speculating,
     table,
     timed_runs,
+    write_result,
 )
 
 from spec_nmt.settings import DraftPlan
@@ -26,10 +25,7 @@ from spec_nmt.settings import DraftPlan
 
 def sampling(args):
     """Sampling systems at each temperature: block efficiency and batch-1 wall time."""
-    pair = load_pair(args)
-    src = read_lines(args.src, args.lines)
-    refs = read_lines(args.ref, args.lines)
-    tokens = pair.encode(src)
+    pair, src, refs, tokens = load_inputs(args)
     rows = []
     for temperature in args.temperatures:
         speculative = dict(args.systems)  # name -> decoding settings
@@ -63,8 +59,7 @@ def sampling(args):
         "environment": environment(args), "rows": rows,
     }
     print(sampling_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args, result)
 
 
 def sampling_table(result):

@@ -15,19 +15,16 @@ from common import (
     defaults,
     environment,
     fairseq_generator,
-    load_pair,
-    read_lines,
+    load_inputs,
     speculating,
     table,
     timed_runs,
+    write_result,
 )
 
 
 def sweep(args):
-    pair = load_pair(args)
-    src = read_lines(args.src, args.lines)
-    refs = read_lines(args.ref, args.lines)
-    tokens = pair.encode(src)
+    pair, src, refs, tokens = load_inputs(args)
     decode_all(pair, {"warm-up": fairseq_generator(pair, 1)}, tokens[: args.warmup_lines], 1)
     baseline = {"fairseq greedy": fairseq_generator(pair, 1), "fairseq beam5": fairseq_generator(pair, 5)}
     base = decode_all(pair, baseline, tokens, args.batch_size)
@@ -70,15 +67,11 @@ def sweep(args):
     result = {"mode": "sweep", "lines": len(src), "latency_lines": len(latency_tokens),
               "environment": environment(args), "rows": rows, "best": best,
               "best_lossless": lossless}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args, result)
 
 
 def run(args):
-    pair = load_pair(args)
-    src = read_lines(args.src, args.lines)
-    refs = read_lines(args.ref, args.lines)
-    tokens = pair.encode(src)
+    pair, src, refs, tokens = load_inputs(args)
     lossless = f"spec lossless k={args.lossless_block}"
     top_beta = f"spec k={args.block} beta={args.beta} tau={args.tau}"
     systems = {
@@ -139,8 +132,7 @@ def run(args):
     }
     print("sacreBLEU signature:", signature)
     print(markdown_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args, result)
 
 
 def markdown_table(result):
