@@ -1,0 +1,30 @@
+"""benchmarks/plot.py draws BENCHMARKS.md's figures from benchmark JSON the test writes."""
+
+import json
+
+from tests.conftest import script_module
+
+plot = script_module("plot", "benchmarks")
+
+
+def test_figures_from_a_ceiling_and_an_acceptance_result(tmp_path):
+    results, out = tmp_path / "results", tmp_path / "plots"
+    results.mkdir()
+    environment = {"cpu": "Test CPU", "torch_threads": 2}
+    ceiling = {"lines": 8, "environment": environment, "rows": [
+        {"batch_size": batch, "system": system, "block": 3, "speedup_vs_greedy": speedup}
+        for batch in (1, 8)
+        for system, speedup in (("fairseq greedy", 1.0), ("spec lossless, oracle drafter", 4.0))
+    ]}  # fmt: skip
+    (results / "ceiling.json").write_text(json.dumps(ceiling))
+    acceptance = {"environment": environment, "rows": [
+        {"system": "drafter", "acceptance_by_position": [0.6, 0.5, 1.0],
+         "judged": [100, 40, 2]},  # position 3 was judged twice: too rarely to draw
+    ]}  # fmt: skip
+    (results / "acceptance.json").write_text(json.dumps(acceptance))
+    out.mkdir()
+    speed = plot.speed_by_batch(plot.load("ceiling.json", results), out)
+    by_position = plot.acceptance_by_position(results, out)
+    assert speed.stat().st_size > 1000 and by_position.stat().st_size > 1000
+    (name, values, _), = plot.position_rows(results)
+    assert name == "drafter (acceptance)" and values == [0.6, 0.5]
