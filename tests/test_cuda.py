@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(
     DEVICE.type == "cuda" and not torch.cuda.is_available(),
     reason="no CUDA device (SPEC_NMT_TEST_DEVICE=cpu runs these tests on the CPU)",
 )
-benchmark = script_module("benchmark", folder="benchmarks")
+benchmarks = script_module("common", folder="benchmarks")
 
 
 def on_device(test):
@@ -64,7 +64,7 @@ def pair(request):
 
 @pytest.fixture(scope="module")
 def source_tokens(pair):
-    lines = benchmark.read_lines(SOURCE, LINES)
+    lines = benchmarks.read_lines(SOURCE, LINES)
     return pair.encode(lines)
 
 
@@ -76,11 +76,11 @@ def test_lossless_is_token_identical_to_fairseq_greedy(pair, source_tokens, batc
     systems = {
         "fairseq greedy": SequenceGenerator([pair.verifier], pair.tgt_dict, beam_size=1,
                                             max_len_a=0, max_len_b=MAX_LEN_B),
-        "chain": benchmark.speculating(pair, max_len_a=0, max_len_b=MAX_LEN_B),
-        "tree": benchmark.speculating(pair, tree_branching="3,1,1", max_len_a=0,
+        "chain": benchmarks.speculating(pair, max_len_a=0, max_len_b=MAX_LEN_B),
+        "tree": benchmarks.speculating(pair, tree_branching="3,1,1", max_len_a=0,
                                       max_len_b=MAX_LEN_B),
     }  # fmt: skip
-    results = benchmark.decode_all(pair, systems, source_tokens, batch_size)
+    results = benchmarks.decode_all(pair, systems, source_tokens, batch_size)
     expected = [t.tolist() for t in results["fairseq greedy"]["tokens"]]
     for name in ("chain", "tree"):
         found = [t.tolist() for t in results[name]["tokens"]]
