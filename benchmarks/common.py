@@ -63,7 +63,7 @@ def load_inputs(args):
     """(pair, source lines, reference lines or None, source token ids): what every mode reads."""
     pair = load_pair(args)
     src = read_lines(args.src, args.lines)
-    refs = read_lines(args.ref, args.lines) if getattr(args, "ref", None) else None
+    refs = read_lines(args.ref, args.lines) if args.ref else None
     return pair, src, refs, pair.encode(src)
 
 

@@ -83,7 +83,8 @@ class AcceptanceTable:
             bucket = "length " + length_bucket(source_lengths[record.sentence])
             for position, token, accepted in judged_positions(record, eos):
                 starts_sentence = not record.prefix and position == 1
-                kind = "end of sentence" if token == eos else token_kind(piece(token), starts_sentence)
+                kind = ("end of sentence" if token == eos
+                        else token_kind(piece(token), starts_sentence))  # fmt: skip
                 for group in ("all", bucket, "kind " + kind):
                     self.judged[group][position] += 1
                     self.accepted[group][position] += accepted
@@ -130,7 +131,8 @@ def markdown(tables: Dict[str, Dict], positions: int) -> List[str]:
                   f"iteration over {table['iterations']} iterations", "", header,
                   "|" + "---|" * (positions + 2)]  # fmt: skip
         for group, row in table["groups"].items():
-            cells = ["" if p is None else f"{p:.2f}" for p in row["acceptance_by_position"][:positions]]
+            shares = row["acceptance_by_position"][:positions]
+            cells = ["" if p is None else f"{p:.2f}" for p in shares]
             cells += [""] * (positions - len(cells))
             lines.append(f"| {group} | " + " | ".join(cells) + f" | {row['judged'][0]} |")
         lines.append("")
@@ -162,7 +164,8 @@ def acceptance(args):
         tables[name] = table.as_dict()
     print("\n".join(markdown(tables, min(args.block, 10))))
     # a row per system, its overall P(i | i-1) first (what plot.py draws)
-    rows = [dict(system=name, acceptance_by_position=table["groups"]["all"]
-                 ["acceptance_by_position"], **table) for name, table in tables.items()]  # fmt: skip
+    rows = [dict(system=name, **table,
+                 acceptance_by_position=table["groups"]["all"]["acceptance_by_position"])
+            for name, table in tables.items()]  # fmt: skip
     write_result(args, {"mode": "acceptance", "lines": len(src), "block": args.block,
                         "environment": environment(args), "rows": rows})  # fmt: skip

@@ -1,11 +1,12 @@
 """Drafter checkpoints without their copies of the verifier.
 
-A cached drafter carries a frozen copy of its verifier's encoder that it is checked against; in the bundled pair that copy is over half the file.
-``without_verifier_copies`` (scripts/export_model.py) drops every tensor of those parts that
-equals the verifier's and keeps a fingerprint of them, plus the rows the drafter's embeddings
-have beyond the verifier's (its [MASK]). ``with_verifier_copies`` (the task's drafter loader)
-rebuilds them from the verifier being loaded (spec_nmt/loading.py), and refuses a verifier whose fingerprint differs:
-the same refusal the full checkpoint gets from ``check_verifier_matches``.
+A cached drafter carries a frozen copy of its verifier's encoder that it is checked against; in
+the bundled pair that copy is over half the file. ``without_verifier_copies``
+(scripts/export_model.py) drops every tensor of that part that equals the verifier's and keeps a
+fingerprint of them, plus the rows the drafter's embeddings have beyond the verifier's (its
+[MASK]). ``with_verifier_copies`` (spec_nmt/loading.py's drafter loader) rebuilds them from the
+verifier being loaded, and refuses a verifier whose fingerprint differs: the refusal the full
+checkpoint gets from ``check_verifier_matches``.
 """
 
 import hashlib

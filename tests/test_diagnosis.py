@@ -21,7 +21,8 @@ def record(prefix, drafts, accepted, next_token, sentence=0):
 
 
 @pytest.mark.parametrize("piece, starts_sentence, kind", [
-    (",", False, "punctuation"), ("\u2581.", False, "punctuation"), ("\u2581\u201e", False, "punctuation"),
+    (",", False, "punctuation"), ("\u2581.", False, "punctuation"),
+    ("\u2581\u201e", False, "punctuation"),
     ("ing", False, "subword continuation"), ("\u2581Merkel", False, "name or number"),
     ("\u2581The", True, "other"), ("\u2581The", False, "name or number"),
     ("\u25812014", True, "name or number"), ("\u2581house", False, "other"),

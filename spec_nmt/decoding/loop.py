@@ -199,8 +199,8 @@ class SpeculativeGenerator:
         emitted, n_emitted, ended = _emitted_tokens(path_tokens, n_accepted, next_tokens, self.eos)
         n_emitted *= rows.live
         device = emitted.device
-        kept_entries = torch.cat([torch.zeros_like(next_tokens).unsqueeze(1), path.clamp(min=0) + 1],
-                                 dim=1)  # fmt: skip
+        root = torch.zeros_like(next_tokens).unsqueeze(1)
+        kept_entries = torch.cat([root, path.clamp(min=0) + 1], dim=1)
         slots = rows.lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=device)
         rows.tokens.scatter_(1, slots, emitted)
         state_rows = torch.arange(len(rows.sentences), device=device).unsqueeze(1)

@@ -142,7 +142,7 @@ class BlockScorer:
         The block's keys/values join the cache; ``commit`` decides which stay.
         """
         dec = self.decoder
-        batch, width = block_tokens.shape
+        width = block_tokens.size(1)
         device = block_tokens.device
         if depths is None:
             depths = torch.arange(width, device=device)
