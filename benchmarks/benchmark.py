@@ -39,7 +39,7 @@ k + 1 tokens for the cost of W = k + 1:
     python benchmarks/benchmark.py block-cost MODEL_DIR --src valid.de --widths 1,2,4,8,11,16,26 \
         --batch-sizes 1,32,64 --json benchmarks/results/block-cost.json
 
-(--compile: the same calls of the scorer compiled by torch.compile, alternated with the eager ones.)
+(--engines modules,eager,scripted,compiled: how the decoder layers run, timed in turn.)
 
 MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py);
 --drafter-path PATH replaces drafter.pt (e.g. an autoregressive drafter), as in spec-nmt-translate.
@@ -150,6 +150,9 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
     sub.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32, 64],
                      help="batch sizes to measure")
     sub.add_argument("--beam5", action="store_true", help="add fairseq beam 5")
+    sub.add_argument("--stock-modules", action="store_true",
+                     help="add the drafter-less loop and the defaults with the decoder layers "
+                     "run through fairseq's modules instead of the scripted layers")
     sub.add_argument("--lossless-blocks", type=comma_list(int), default=[],
                      help="add the real drafter, lossless, at each of these k")
     sub.add_argument("--top-beta", type=setting, default=None,
@@ -162,8 +165,11 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
     sub.add_argument("--widths", type=comma_list(int), default=[1, 2, 4, 8, 11, 16, 26],
                      help="block widths W (entries scored per verifier call)")
     sub.add_argument("--repeats", type=int, default=50, help="timed calls per width")
-    sub.add_argument("--compile", action="store_true",
-                     help="also time the scorer compiled with torch.compile")
+    sub.add_argument("--engines", type=comma_list(str), default=["modules", "scripted"],
+                     help="how the decoder layers run, each timed in turn: modules (the stock "
+                     "fairseq modules), eager (one function of plain tensor operations), "
+                     "scripted (that function in TorchScript: the default), compiled (that "
+                     "function by torch.compile); the first is the reference")
     sub = mode("acceptance", acceptance, "where draft chains break: acceptance by position",
                batches=True)
     reference_rule(sub, "the drafts")

@@ -2,6 +2,7 @@
 CTranslate2 per batch size with each iteration's cost split into phases, and what scoring a
 block of W entries costs the verifier."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from common import (
     write_result,
 )
 
+from spec_nmt.decoding import scripted_layers
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.scorer import BlockScorer
 
@@ -41,6 +43,10 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
                "spec lossless, oracle drafter": oracle(pair, tokens, alone, args.block),
                "spec lossless, real drafter": speculating(pair, block_size=args.block),
                "spec-nmt defaults": defaults(pair)}  # fmt: skip
+    if args.stock_modules:
+        systems["spec-nmt greedy (no drafts), stock modules"] = through_modules(
+            pair.generator(block_size=0))
+        systems["spec-nmt defaults, stock modules"] = through_modules(defaults(pair))
     if args.beam5:
         systems["fairseq beam5"] = fairseq_generator(pair, 5)
     for block in args.lossless_blocks:
@@ -59,6 +65,18 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
             pair, block_size=depth, tree_budget=width * depth
         )
     return systems
+
+
+def through_modules(generator: SpeculativeGenerator) -> SpeculativeGenerator:
+    """The generator with its verifier's and drafter's decoder layers run through the stock
+    fairseq modules instead of the scripted layers (how every call ran before them)."""
+    generator.verifier.layers_function = None
+    scorer = getattr(generator.drafter, "scorer", None)
+    if scorer is not None:  # the pair's drafter adapter is shared: change a copy
+        generator.drafter = copy.copy(generator.drafter)
+        generator.drafter.scorer = copy.copy(scorer)
+        generator.drafter.scorer.layers_function = None
+    return generator
 
 
 def ctranslate2_row(report, compute_type: str, batch_size: int, fairseq_ms: float,
@@ -149,18 +167,32 @@ def ceiling_table(result):
 BLOCK_COST_PREFIX = 20
 
 
+# how the verifier's decoder layers run, per --engines name (BlockScorer.layers_function)
+LAYER_ENGINES = {
+    "modules": lambda: None,  # through the stock fairseq modules (block_forward)
+    "eager": lambda: scripted_layers.decoder_layers,  # one function of plain tensor operations
+    "scripted": lambda: scripted_layers.decoder_layers_scripted,  # that function in TorchScript
+    # that function compiled by inductor (dynamic: slots and spans change from call to call)
+    "compiled": lambda: torch.compile(scripted_layers.decoder_layers, dynamic=True),
+}
+
+
 def block_cost(args):
     """Seconds per verifier call scoring W new entries after a committed prefix, per batch size
-    (the first batch-size lines of --src), relative to W = 1. With --compile, the same calls of
-    the scorer compiled by torch.compile (inductor) alternate with the eager ones."""
+    (the first batch-size lines of --src), relative to W = 1, for each of --engines (how the
+    decoder layers run; the calls alternate between them), the first one the reference for
+    the others' time and logits."""
+    unknown = [engine for engine in args.engines if engine not in LAYER_ENGINES]
+    if unknown:
+        raise SystemExit(f"--engines: unknown {', '.join(unknown)} (choose from "
+                         f"{', '.join(LAYER_ENGINES)})")  # fmt: skip
     pair = load_pair(args)
     tokens = pair.encode(read_lines(args.src, args.lines))
-    scorers = {"eager": BlockScorer(pair.verifier)}
-    if args.compile:
-        compiled = BlockScorer(pair.verifier)
-        # dynamic: block widths, cache lengths and batch sizes change from call to call
-        compiled.score_logits = torch.compile(compiled.score_logits, dynamic=True)
-        scorers["compiled"] = compiled
+    scorers = {}
+    for engine in args.engines:
+        scorers[engine] = BlockScorer(pair.verifier)
+        scorers[engine].layers_function = LAYER_ENGINES[engine]()
+    reference = args.engines[0]
     symbols = (pair.tgt_dict.nspecial, len(pair.tgt_dict))
     rows = []
     with torch.inference_mode():
@@ -183,11 +215,13 @@ def block_cost(args):
                 scorers[name].commit(states[name], *nothing)
                 return now() - start, logits
 
-            seconds, first_call = {}, {}
+            seconds, first_call, difference = {}, {}, {}
             for width in args.widths:
                 block = torch.randint(*symbols, (batch_size, width))
                 first = {name: call(name, block) for name in scorers}
                 first_call[width] = {name: first[name][0] for name in scorers}
+                difference[width] = {name: float((first[name][1] - first[reference][1]).abs().max())
+                                     for name in scorers}  # fmt: skip
                 for _ in range(2):  # warm-up calls
                     for name in scorers:
                         call(name, block)
@@ -195,35 +229,27 @@ def block_cost(args):
                 for _ in range(args.repeats):
                     for name in scorers:
                         seconds[width][name] += call(name, block)[0]
-                if args.compile:
-                    difference = (first["compiled"][1] - first["eager"][1]).abs().max()
-                    first_call[width]["difference"] = float(difference)
-            one = seconds[min(args.widths)]["eager"]
             for width, total in seconds.items():
-                eager = total["eager"]
-                row = {"batch_size": batch_size, "width": width,
-                       "ms_per_call": round(1000 * eager / args.repeats, 3),
-                       "cost_vs_narrowest": round(eager / one, 2),
-                       "entries_per_narrowest_cost": round(width * one / eager, 2)}  # fmt: skip
-                if args.compile:
-                    row.update({
-                        "compiled_ms_per_call": round(1000 * total["compiled"] / args.repeats, 3),
-                        "compiled_vs_eager": round(total["compiled"] / eager, 2),
-                        "compiled_first_call_s": round(first_call[width]["compiled"], 2),
-                        "compiled_max_abs_logit_difference": first_call[width]["difference"],
-                    })  # fmt: skip
+                row = {"batch_size": batch_size, "width": width}
+                for name in scorers:
+                    row[f"{name}_ms_per_call"] = round(1000 * total[name] / args.repeats, 3)
+                    row[f"{name}_cost_vs_narrowest"] = round(
+                        total[name] / seconds[min(args.widths)][name], 2)
+                    if name != reference:
+                        row[f"{name}_vs_{reference}"] = round(total[name] / total[reference], 2)
+                        row[f"{name}_first_call_s"] = round(first_call[width][name], 2)
+                        row[f"{name}_max_abs_logit_difference"] = difference[width][name]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"mode": "block-cost", "prefix": BLOCK_COST_PREFIX, "repeats": args.repeats,
-              "environment": environment(args), "rows": rows}  # fmt: skip
-    columns = [("batch_size", "batch"), ("width", "W"), ("ms_per_call", "ms per call"),
-               ("cost_vs_narrowest", "cost (× narrowest W)"),
-               ("entries_per_narrowest_cost", "entries per narrowest-W cost")]  # fmt: skip
-    if args.compile:
-        columns += [("compiled_ms_per_call", "compiled: ms per call"),
-                    ("compiled_vs_eager", "compiled ÷ eager"),
-                    ("compiled_first_call_s", "compiled: first call (s)"),
-                    ("compiled_max_abs_logit_difference", "largest logit difference")]  # fmt: skip
+              "engines": args.engines, "environment": environment(args), "rows": rows}  # fmt: skip
+    columns = [("batch_size", "batch"), ("width", "W")]
+    for name in scorers:
+        columns += [(f"{name}_ms_per_call", f"{name}: ms per call"),
+                    (f"{name}_cost_vs_narrowest", f"{name}: × narrowest W")]  # fmt: skip
+        if name != reference:
+            columns += [(f"{name}_vs_{reference}", f"{name} ÷ {reference}"),
+                        (f"{name}_max_abs_logit_difference", "largest logit difference")]
     print(table(columns, rows))
     write_result(args, result)
 

@@ -18,6 +18,12 @@ from tests.test_verifier_cache import DECODER_VARIANTS, source_batch, tiny_trans
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
 
 
+@pytest.fixture
+def packed_from_one_row(monkeypatch):
+    """Every weight shape runs packed from one row on, whatever this CPU's timings say."""
+    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs: 1)
+
+
 def layers():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(256, 1024), nn.Linear(1024, 256), nn.Linear(8, 8))
@@ -25,7 +31,7 @@ def layers():
 
 @needs_onednn
 @torch.no_grad()
-def test_packed_products_are_the_layers_own():
+def test_packed_products_are_the_layers_own(packed_from_one_row):
     model = layers()
     project = PackedLinears(model)
     assert set(project.weights) == set(model)  # every fp32 linear layer
@@ -49,7 +55,9 @@ def calls_of(layer):
 
 @needs_onednn
 @torch.no_grad()
-def test_a_weight_changed_or_an_input_of_another_dtype_goes_to_the_layer_itself():
+def test_a_weight_changed_or_an_input_of_another_dtype_goes_to_the_layer_itself(
+    packed_from_one_row,
+):
     """The packed copy serves only the weight it was made from, and fp32 CPU inputs: a weight
     changed in place or replaced (load_state_dict, .to) and a bf16 input get the layer's own
     product."""
@@ -75,7 +83,7 @@ def test_a_weight_changed_or_an_input_of_another_dtype_goes_to_the_layer_itself(
 
 @needs_onednn
 @torch.no_grad()
-def test_an_attentions_query_key_and_value_are_one_product():
+def test_an_attentions_query_key_and_value_are_one_product(packed_from_one_row):
     """Self-attention's three projections of one input: packed together, the same outputs as
     the layers', one product (none of the layers runs); a changed weight splits them again."""
     model, _ = tiny_transformer()
@@ -94,6 +102,32 @@ def test_an_attentions_query_key_and_value_are_one_product():
     for ours, layer in zip(project.many(layers, x), layers):
         torch.testing.assert_close(ours, layer(x), rtol=1e-5, atol=1e-5)
     assert len(calls[1]) == 3  # the changed layer ran itself
+
+
+@pytest.mark.parametrize("packed_faster, packed_from", [
+    ([False, False, True, True], 16), ([True] * 4, 1), ([True, False, True, True], 16),
+    ([False] * 4, linears.NEVER), ([True, True, True, False], linears.NEVER),
+])  # fmt: skip
+def test_a_shape_runs_packed_from_where_packing_won_for_good(packed_faster, packed_from):
+    assert linears.first_of_last_run((1, 4, 16, 64), packed_faster) == packed_from
+
+
+@needs_onednn
+@torch.no_grad()
+def test_fewer_rows_than_a_shape_runs_packed_from_go_to_the_layer_itself(monkeypatch):
+    """Each shape's own row count (timed when packed) decides, alone and in a group."""
+    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs: 16)
+    model, _ = tiny_transformer()
+    attn = model.decoder.layers[0].self_attn
+    group = (attn.q_proj, attn.k_proj, attn.v_proj)
+    project = PackedLinears(model)
+    assert set(project.packed_from.values()) == {16}
+    calls = calls_of(attn.out_proj)
+    project(attn.out_proj, torch.randn(3, 5, 32))
+    assert len(calls) == 1 and project.packed_weight(group, 15) is None
+    project(attn.out_proj, torch.randn(4, 4, 32))
+    assert len(calls) == 1 and project.packed_weight(group, 16) is project.groups[group].weight
+    assert project.choice(15) == (False,) * len(project.packed_from)
 
 
 @needs_onednn
@@ -154,15 +188,11 @@ def test_without_onednn_the_verifier_encodes_with_fairseqs_own_forward(monkeypat
 @torch.no_grad()
 @pytest.mark.parametrize("mask", ["per query", "per row", "none"])
 @pytest.mark.parametrize("batch, queries", [(1, 4), (1, 40), (8, 1), (16, 4)])
-def test_attention_is_the_same_through_either_kernel(monkeypatch, batch, queries, mask):
+def test_attention_is_the_same_through_either_kernel(batch, queries, mask):
     """Few queries per head go through scaled_dot_product_attention, many through two batched
     products (faster there): both give a plain masked softmax attention with the module's
     scaling, under every mask form the forwards use (per query [B, 1, W, S], per row as the
     source padding [B, 1, 1, S], none), a query that sees one key included."""
-    sdpa_calls = []
-    sdpa = block_forward.F.scaled_dot_product_attention
-    monkeypatch.setattr(block_forward.F, "scaled_dot_product_attention",
-                        lambda *args, **kwargs: sdpa_calls.append(1) or sdpa(*args, **kwargs))
     model, _ = tiny_transformer()
     attn = model.decoder.layers[0].self_attn.eval()
     heads, keys_count = attn.num_heads, 7
@@ -180,10 +210,13 @@ def test_attention_is_the_same_through_either_kernel(monkeypatch, batch, queries
     bias = {"per query": lambda: block_forward.additive_mask(seen, query.dtype),
             "per row": lambda: block_forward.additive_mask(seen[:, :1], query.dtype),
             "none": lambda: None}[mask]()  # fmt: skip
-    ours = block_forward._attention(attn, query, keys, values, bias)  # [T, B, C]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        ours = block_forward._attention(attn, query, keys, values, bias)  # [T, B, C]
+    sdpa_ran = any(event.name == "aten::scaled_dot_product_attention"
+                   for event in profile.events())  # fmt: skip
     weights = (query @ keys.transpose(-1, -2) * attn.scaling).masked_fill(~seen.unsqueeze(1), -1e9)
     expected = block_forward.merge_heads(weights.softmax(-1) @ values)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
     if mask != "none":
         torch.testing.assert_close(ours[0, 0], values[0, :, 3].flatten(), rtol=1e-5, atol=1e-5)
-    assert bool(sdpa_calls) == ((batch, queries) in ((1, 4), (8, 1)))  # else the products ran
+    assert sdpa_ran == ((batch, queries) in ((1, 4), (8, 1)))  # else the products ran

@@ -8,6 +8,7 @@ import torch
 from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerModel, base_architecture
 
+from spec_nmt.decoding import scripted_layers
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.decoding.tree import block_visibility
 from spec_nmt.errors import SpecNmtError
@@ -29,6 +30,7 @@ DECODER_VARIANTS = {
     "scale-heads": {"scale_heads": True},
     "scale-resids": {"scale_resids": True},
     "no positional embeddings": {"no_token_positional_embeddings": True},
+    "gelu": {"activation_fn": "gelu"},
     "decoder output dim != embed dim": {"share_all_embeddings": False, "decoder_output_dim": 24},
     "pre-norm, all scale-*, layernorm-embedding": {
         "encoder_normalize_before": True, "decoder_normalize_before": True,
@@ -106,6 +108,7 @@ def decoder_shape(model):
         "scale_resids": layer.w_resid is not None,
         "no_token_positional_embeddings": decoder.embed_positions is None,
         "decoder_output_dim": decoder.project_out_dim is not None,
+        "activation_fn": layer.activation_fn is scripted_layers.ACTIVATIONS[1],
     }
 
 
@@ -140,6 +143,74 @@ def test_blocks_and_rollbacks_match_full_recomputation(variant):
             for b in range(3)
         ]
         assert state.fed_lengths.tolist() == [len(row) - 1 for row in kept]
+
+
+# the decoder shapes scripted_layers runs; the others go through the stock modules
+SCRIPTED_VARIANTS = ("post-norm (default)", "pre-norm", "layernorm-embedding", "learned positions",
+                     "no-scale-embedding", "no positional embeddings", "gelu")  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(DECODER_VARIANTS))
+@torch.no_grad()
+def test_the_common_decoder_layers_run_as_one_scripted_call_with_the_modules_logits(variant):
+    """The same chain blocks (every row's block at the same slot, then at different ones after
+    unequal commits) and a tree, scored through the scripted layers and through the stock
+    modules: the same logits and the same caches."""
+    model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
+    assert scripted_layers.supported(model.decoder) == (variant in SCRIPTED_VARIANTS)
+    scripted, modules = BlockScorer(model), BlockScorer(model)
+    modules.layers_function = None
+    net_input = source_batch(dictionary, 3)
+    states = [scorer.start(net_input) for scorer in (scripted, modules)]
+    parents = torch.tensor([TREE_PARENTS] * 3)
+    tree = (torch.tensor([0] + TREE_DEPTHS), block_visibility(parents))
+    for width, keep, shape in [(4, [4, 4, 4], ()), (3, [1, 3, 2], ()), (7, [1, 1, 1], tree)]:
+        block = random_tokens(dictionary, 3, width)
+        logits = [scorer.score_logits(state, block, *shape) for scorer, state in
+                  zip((scripted, modules), states)]  # fmt: skip
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+        for scorer, state in zip((scripted, modules), states):
+            commit_prefix(scorer, state, width, keep)
+    assert (scripted._scripted is not None) == (variant in SCRIPTED_VARIANTS)
+    assert modules._scripted is None
+    for ours, theirs in zip(states[0].keys + states[0].values, states[1].keys + states[1].values):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_layers_go_through_the_modules():
+    """--drafter-precision int8 replaces the feed-forward layers with dynamically quantized ones,
+    which the scripted layers do not compute."""
+    model, _ = tiny_transformer()
+    assert scripted_layers.supported(model.decoder)
+    quantized = torch.ao.quantization.quantize_dynamic(model, {"decoder.layers.1.fc1"},
+                                                       dtype=torch.qint8)  # fmt: skip
+    assert not scripted_layers.supported(quantized.decoder)
+    assert BlockScorer(quantized).layers_function is None
+
+
+@torch.no_grad()
+def test_a_changed_weight_is_taken_again_and_training_goes_through_the_modules():
+    model, dictionary = tiny_transformer()
+    verifier = BlockScorer(model)
+    net_input = source_batch(dictionary, 1)
+    block = random_tokens(dictionary, 1, 3)
+
+    def scores():
+        state = verifier.start(net_input)
+        return verifier.score_logits(state, block)
+
+    scores()
+    taken = verifier._scripted
+    model.decoder.layers[1].fc2.weight.mul_(3)
+    changed = scores()
+    assert verifier._scripted is not taken
+    reference = model.decoder(block, encoder_out=model.encoder.forward_torchscript(net_input))[0]
+    torch.testing.assert_close(changed, reference, atol=2e-5, rtol=1e-5)
+    model.train()
+    assert verifier._scripted_layers() is None
+    model.eval()
+    with torch.enable_grad():
+        assert verifier._scripted_layers() is None
 
 
 @torch.no_grad()

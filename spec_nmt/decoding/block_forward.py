@@ -6,9 +6,9 @@ fairseq's decoder knows two attention patterns, causal (training, incremental de
 (``full_context_alignment``), each the same for every row. Block scoring on a cache (the verifier
 and the autoregressive drafter), tree attention and the cached drafter's prefix-plus-masks pattern
 need a per-row mask, so these functions redo the decoder's forward with their own attention
-(``scaled_dot_product_attention``, or on the CPU from ``MATMUL_ATTENTION_ROWS`` queries per head
-on two batched products: equal up to rounding) and leave every weight, norm and activation to the
-stock modules. Training (the cached drafter) and decoding share them.
+(``scripted_layers.attention``) and leave every weight, norm and activation to the stock
+modules. Training (the cached drafter) and decoding share them; decoding runs the common decoder
+layers through ``scripted_layers`` instead.
 """
 
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
@@ -19,16 +19,11 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayer, TransformerEncoderLayerBase
 from torch import Tensor, nn
 
+from spec_nmt.decoding import scripted_layers
 from spec_nmt.errors import SpecNmtError
 
 # (layer's self-attention module, block queries' input [W, B, C]) -> attention output [W, B, C]
 SelfAttention = Callable[[object, Tensor], Tensor]
-# From this many queries per head (batch x queries) attention on the CPU runs as two batched
-# products around a softmax: scaled_dot_product_attention's CPU kernel pays per row and head,
-# 1.8-2.9x the products' time for a block of 4-11 entries at batch 32 (AMD EPYC, 2 threads),
-# while one sentence's few queries are faster through it (BENCHMARKS.md, "Attention through
-# batched products").
-MATMUL_ATTENTION_ROWS = 12
 
 
 class Project(Protocol):
@@ -171,14 +166,8 @@ def _attention(attn, query: Tensor, keys: Tensor, values: Tensor,
     """``attend`` before out_proj: the heads merged, [T, B, C]. ``bias`` is an additive float
     mask (0 or -inf) under which every query sees at least one key."""
     dropout = attn.dropout_module.p if attn.training else 0.0
-    batch, _, length, _ = query.shape
-    products = (dropout == 0.0 and query.device.type == "cpu"
-                and query.dtype == torch.float32 and batch * length >= MATMUL_ATTENTION_ROWS)
-    if products:
-        weights = torch.matmul(query * attn.scaling, keys.transpose(-1, -2))
-        if bias is not None:
-            weights.add_(bias)
-        out = torch.matmul(weights.softmax(dim=-1), values)
+    if dropout == 0.0:
+        out = scripted_layers.attention(query, keys, values, bias, attn.scaling)
     else:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias,
                                              dropout_p=dropout, scale=attn.scaling)  # fmt: skip

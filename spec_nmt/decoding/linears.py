@@ -1,29 +1,33 @@
 """Linear layers for decoding: fp32 matrix products with weights prepacked for oneDNN.
 
 A block of a few entries per row is the worst shape for the CPU's default fp32 products (MKL's
-``addmm``): slow for a few rows per call, so the verifier scored a block of 4 entries for
-1.7x one, and the output projection over 8,008 symbols for 4 entries took 350 us against 65 us
-with a weight packed once (AMD EPYC, 2 threads; BENCHMARKS.md, "Prepacked fp32 products"). The
-products stay fp32: only their summation order changes, as it already does between one entry
-and a block.
+``addmm``) on AMD: the output projection over 8,008 symbols for 4 entries took 350 us against
+65 us with a weight packed once for oneDNN (AMD EPYC, 2 threads). On Intel MKL is the faster one
+for a single row, and oneDNN from a few rows on (BENCHMARKS.md, "Prepacked fp32 products"). So
+each weight shape is timed both ways when the layers are packed, and runs packed from the row
+count where that was faster. The products stay fp32: only their summation order changes, as it
+already does between one entry and a block.
 
 ``PackedLinears(module)`` packs every fp32 ``nn.Linear`` of a module (when this torch has oneDNN
 and the weights are on the CPU) and is then called as ``project(linear, x)`` wherever a decoding
 forward would call ``linear(x)``. The packed copies are taken when it is made; a layer whose
 weight was replaced or changed in place since, or an input that is not fp32 on the CPU, goes to
 the layer itself (an optimizer writing through ``.data`` is not seen: training never goes
-through it, and drafters under training get a new one per validation). Every size gains in
-decoding, down to one entry's 256 x 256 attention projection (isolated timings favour MKL
-there, but not with the weights of two models competing for the cache).
+through it, and drafters under training get a new one per validation).
 """
 
-from typing import Dict, List, NamedTuple, Optional, Tuple
+import statistics
+import time
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 # the row count oneDNN lays the weight out for; the layout serves 1 to 320 rows alike
 PACKING_ROWS = 64
+# the row counts a weight shape is timed at, both ways; past the last one its choice holds
+TIMED_ROWS = (1, 4, 16, 64)
+NEVER = 1 << 62  # the packed-from row count of a shape whose packed product never won
 
 
 def packing_available() -> bool:
@@ -54,6 +58,8 @@ class PackedLinears:
     def __init__(self, module: nn.Module):
         self.weights: Dict[nn.Linear, Packed] = {}
         self.groups: Dict[Tuple[nn.Linear, ...], PackedGroup] = {}
+        # per weight shape (outputs, inputs): the fewest rows from which it runs packed
+        self.packed_from: Dict[Tuple[int, int], int] = {}
         if not packing_available():
             return
         for layer in module.modules():
@@ -67,6 +73,10 @@ class PackedLinears:
                 layers = (attention.q_proj, attention.k_proj, attention.v_proj)
                 if all(layer in self.weights for layer in layers):
                     self._group(layers)
+        shapes = {tuple(layer.weight.shape) for layer in self.weights}
+        shapes |= {_group_shape(layers, group) for layers, group in self.groups.items()}
+        with torch.no_grad():
+            self.packed_from = {shape: _packed_from(*shape) for shape in sorted(shapes)}
 
     def _group(self, layers: Tuple[nn.Linear, ...]) -> None:
         biases = [layer.bias for layer in layers]
@@ -82,26 +92,98 @@ class PackedLinears:
         """Several layers of the same input: one product where they were packed together (an
         attention's query, key and value), else each layer's own."""
         group = self.groups.get(linears)
-        if group is None or not all(self._current(linear, x) for linear in linears):
+        if group is None or not all(self._serves(linear, x) for linear in linears) or (
+            _rows(x) < self.packed_from[_group_shape(linears, group)]
+        ):
             return [self(linear, x) for linear in linears]
         product = torch.ops.mkldnn._linear_pointwise(x, group.weight, group.bias, "none", [], "")
         return list(product.split(group.sizes, dim=-1))
 
-    def _current(self, linear: nn.Module, x: Tensor) -> bool:
+    def _serves(self, linear: nn.Module, x: Tensor) -> bool:
         """Whether the packed copy of ``linear`` serves input ``x``: no gradient wanted, x fp32
-        on the CPU, the weight unchanged since packing."""
+        on the CPU with as many rows as its shape runs packed from, the weight unchanged since
+        packing."""
         packed = self.weights.get(linear)
         return not (packed is None or torch.is_grad_enabled()  # (the copy has no gradient)
                     or x.dtype != torch.float32 or x.device.type != "cpu"
+                    or _rows(x) < self.packed_from[tuple(linear.weight.shape)]
                     or linear.weight.data_ptr() != packed.source
                     or linear.weight._version != packed.version)  # fmt: skip
+
+    def packed_weight(self, linears: Tuple[nn.Linear, ...], rows: int) -> Optional[Tensor]:
+        """The packed copy of a layer (one) or group (several) for an fp32 CPU input of ``rows``
+        rows without gradient: None where it is the layer's own product that runs."""
+        if len(linears) == 1:
+            packed = self.weights.get(linears[0])
+            shape = tuple(linears[0].weight.shape)
+        else:
+            packed = self.groups.get(linears)
+            shape = _group_shape(linears, packed) if packed else None
+        if packed is None or rows < self.packed_from[shape] or not all(
+            linear.weight.data_ptr() == self.weights[linear].source
+            and linear.weight._version == self.weights[linear].version
+            for linear in linears
+        ):
+            return None
+        return packed.weight
+
+    def choice(self, rows: int) -> Tuple[bool, ...]:
+        """For ``rows`` rows, whether each weight shape runs packed (a key for what depends on
+        that)."""
+        return tuple(rows >= packed_from for packed_from in self.packed_from.values())
 
     def covers(self, module: nn.Module) -> bool:
         """Whether any linear layer of ``module`` was packed."""
         return any(layer in self.weights for layer in module.modules())
 
     def __call__(self, linear: nn.Module, x: Tensor) -> Tensor:
-        if not self._current(linear, x):
+        if not self._serves(linear, x):
             return linear(x)
         packed = self.weights[linear].weight
         return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")
+
+
+def _group_shape(linears: Tuple[nn.Linear, ...], group: PackedGroup) -> Tuple[int, int]:
+    return sum(group.sizes), linears[0].in_features
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // x.size(-1) if x.dim() else 0
+
+
+def _packed_from(outputs: int, inputs: int) -> int:
+    """The fewest rows from which a packed product of this shape runs (``first_of_last_run``
+    over TIMED_ROWS), timed on a random weight: the values do not change the time."""
+    weight = torch.randn(outputs, inputs)
+    bias = torch.randn(outputs)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
+    faster = []
+    for rows in TIMED_ROWS:
+        x = torch.randn(rows, inputs)
+        own = _seconds(lambda: torch.nn.functional.linear(x, weight, bias))
+        onednn = _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
+                                                                     [], ""))  # fmt: skip
+        faster.append(onednn < own)
+    return first_of_last_run(TIMED_ROWS, faster)
+
+
+def first_of_last_run(rows: Sequence[int], packed_faster: Sequence[bool]) -> int:
+    """The fewest of ``rows`` from which the packed product was the faster at every larger
+    timed count too; NEVER where it lost at the largest."""
+    packed_from = NEVER
+    for count, faster in reversed(list(zip(rows, packed_faster))):
+        if not faster:
+            break
+        packed_from = count
+    return packed_from
+
+
+def _seconds(product, repeats: int = 5) -> float:
+    """The median time of a product, after two calls to warm up."""
+    product(), product()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

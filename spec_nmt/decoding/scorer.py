@@ -25,7 +25,7 @@ import torch
 from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor
 
-from spec_nmt.decoding import block_forward
+from spec_nmt.decoding import block_forward, scripted_layers
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.errors import SpecNmtError
 
@@ -99,6 +99,11 @@ class BlockScorer:
         self._packed_encoder = block_forward.encoder_supported(encoder) and self.project.covers(
             encoder
         )
+        # the decoder layers as one scripted call where they are the common kind, else (None)
+        # through the stock modules; the benchmark swaps in other engines of the same function
+        self.layers_function = (scripted_layers.decoder_layers_scripted
+                                if scripted_layers.supported(decoder) else None)  # fmt: skip
+        self._scripted: Optional[scripted_layers.ScriptedLayers] = None
 
     def max_positions(self) -> int:
         return self.decoder.max_positions()
@@ -163,9 +168,46 @@ class BlockScorer:
         if not uniform:
             slots = first_slot.unsqueeze(1) + torch.arange(width, device=device)  # [B, W]
 
+        scripted = self._scripted_layers()
+        if scripted is not None:
+            x = self.layers_function(
+                x.transpose(0, 1), scripted.layers, scripted.packed(x.size(0) * x.size(1)),
+                state.keys, state.values, lowest, None if uniform else slots, span, bias,
+                state.encoder_keys, state.encoder_values, state.encoder_bias, scripted.heads,
+                scripted.scaling, scripted.eps, scripted.normalize_before, scripted.gelu)
+            if dec.layer_norm is not None:
+                x = dec.layer_norm(x)
+        else:
+            x = self._module_layers(state, x, span, bias, lowest if uniform else None,
+                                    None if uniform else slots)  # fmt: skip
+        if outputs is not None:
+            x = x[:, width - outputs :]
+        # the decoder's output_layer without an adaptive softmax (check_supported)
+        logits = self.project(dec.output_projection, x).float()
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
+        state.uncommitted = entries
+        return logits
+
+    def _scripted_layers(self) -> Optional[scripted_layers.ScriptedLayers]:
+        """The decoder's layers for ``decoder_layers`` where they serve this call (a supported
+        decoder in evaluation without gradient), taken again after a weight changed."""
+        if self.layers_function is None or self.decoder.training or torch.is_grad_enabled():
+            return None
+        if self._scripted is None or not self._scripted.current():
+            self._scripted = scripted_layers.ScriptedLayers(self.decoder, self.project)
+        return self._scripted
+
+    def _module_layers(self, state: ScorerState, x: Tensor, span: int, bias: Tensor,
+                       first_slot: Optional[int], slots: Optional[Tensor]) -> Tensor:  # fmt: skip
+        """The decoder layers through the stock modules (block_forward), writing the block's
+        keys and values at ``first_slot`` (every row alike) or at ``slots`` [B, W]."""
+        width = x.size(0)
+        dec = self.decoder
+
         def write(cache: Tensor, new: Tensor) -> None:  # new [B, heads, W, head_dim]
-            if uniform:
-                cache[:, :, lowest : lowest + width] = new
+            if slots is None:
+                cache[:, :, first_slot : first_slot + width] = new
             else:
                 index = slots[:, None, :, None].expand(-1, new.size(1), -1, new.size(3))
                 cache.scatter_(2, index, new)
@@ -186,16 +228,9 @@ class BlockScorer:
 
             return attention
 
-        x = block_forward.layers(dec, x, self_attention, state.encoder_keys, state.encoder_values,
-                                 state.encoder_bias, self.project)  # fmt: skip
-        if outputs is not None:
-            x = x[:, width - outputs :]
-        # the decoder's output_layer without an adaptive softmax (check_supported)
-        logits = self.project(dec.output_projection, x).float()
-        if self.temperature != 1.0:
-            logits.div_(self.temperature)
-        state.uncommitted = entries
-        return logits
+        return block_forward.layers(dec, x, self_attention, state.encoder_keys,
+                                    state.encoder_values, state.encoder_bias,
+                                    self.project)  # fmt: skip
 
     def commit(self, state: ScorerState, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Row b keeps its uncommitted entries ``keep[b, :n_keep[b]]`` (indices in scoring
