@@ -1,14 +1,15 @@
 """Prepacked fp32 linear layers (spec_nmt/decoding/linears.py): the same products as the layers'
 own, packed when they are made, bypassed where a gradient is needed or the weight or input is
-no longer what was packed, packed once per verifier by the task; the encoder forward that uses
-them gives the stock encoder's output, and without them the stock forward runs."""
+no longer what was packed, run packed from the row count timed for their shape, packed once per
+verifier by the task; the encoder forward with the scripted layers gives the stock encoder's
+output, and in training the stock forward runs."""
 
 import pytest
 import torch
 from torch import nn
 
-from spec_nmt.decoding import block_forward, linears
-from spec_nmt.decoding.linears import PackedLinears, packing_available
+from spec_nmt.decoding import block_forward, linears, scripted_layers
+from spec_nmt.decoding.linears import NEVER, PackedLinears, packing_available
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.settings import DEFAULTS
 from spec_nmt.translator import SpecTranslator
@@ -146,43 +147,39 @@ def test_the_task_packs_a_verifier_once():
     first = task.generator_for(verifier, translator.drafter, DEFAULTS).verifier.project
     second = task.generator_for(verifier, translator.drafter, DEFAULTS.replace(temperature=0.5))
     assert second.verifier.project is first
-    assert verifier.decoder.output_projection in first.weights and first.covers(verifier.encoder)
+    assert verifier.decoder.output_projection in first.weights
+    assert verifier.encoder.layers[0].fc1 in first.weights
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("variant", list(DECODER_VARIANTS))
-def test_the_encoder_forward_gives_the_stock_encoders_output(variant):
-    """Every encoder shape of the verifier variants (pre-norm, layernorm-embedding, learned or no
-    positions, ...), a left-padded batch: the same output at every real token (only they are
-    computed: zeros at the padding), the same padding and lengths, with the packed products and
-    with the layers' own."""
+@pytest.mark.parametrize("packed", [False, True], ids=["own products", "packed products"])
+def test_the_encoder_forward_gives_the_stock_encoders_output(monkeypatch, variant, packed):
+    """Every encoder shape of the verifier variants (post- and pre-norm, layernorm-embedding,
+    learned or no positions, GELU, ...), a left-padded batch and one sentence alone: the same
+    output at every real token (only they are computed: zeros at the padding), the same
+    padding and lengths, with the layers' own products and with packed ones."""
+    if packed and not packing_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs: 1 if packed else NEVER)
     model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
-    assert block_forward.encoder_supported(model.encoder)
-    net_input = source_batch(dictionary, 3)
-    stock = model.encoder.forward_torchscript(net_input)
-    real = ~stock["encoder_padding_mask"][0].t().unsqueeze(2)  # [S, B, 1]
-    projections = [block_forward.plain] + [PackedLinears(model)] * packing_available()
-    for project in projections:
-        ours = block_forward.encode(model.encoder, net_input["src_tokens"], project)
-        assert set(ours) == set(stock)
+    assert scripted_layers.encoder_supported(model.encoder)
+    verifier = BlockScorer(model)
+    for rows in (3, 1):
+        net_input = source_batch(dictionary, rows)
+        if rows == 1:  # one sentence has no padding
+            net_input = {"src_tokens": net_input["src_tokens"][:, 2:],
+                         "src_lengths": net_input["src_lengths"]}  # fmt: skip
+        stock = model.encoder.forward_torchscript(net_input)
+        real = ~stock["encoder_padding_mask"][0].t().unsqueeze(2)  # [S, B, 1]
+        ours = verifier.encode(net_input)
+        assert set(ours) == set(stock) and verifier._scripted_encoder is not None
         difference = (ours["encoder_out"][0] - stock["encoder_out"][0]) * real
         assert difference.abs().max() < 1e-5
-        assert real.logical_not().any() and not ours["encoder_out"][0].masked_select(~real).any()
+        assert not ours["encoder_out"][0].masked_select(~real).any()
+        assert real.logical_not().any() == (rows > 1)
         for key in ("encoder_padding_mask", "encoder_embedding", "src_lengths"):
             assert torch.equal(ours[key][0], stock[key][0]), key
-
-
-@torch.no_grad()
-def test_without_onednn_the_verifier_encodes_with_fairseqs_own_forward(monkeypatch):
-    """Nothing packed (no oneDNN here, or CUDA, or fp16 weights): the stock encoder runs, bit
-    for bit fairseq's output."""
-    monkeypatch.setattr(linears, "packing_available", lambda: False)
-    model, dictionary = tiny_transformer()
-    verifier = BlockScorer(model)
-    assert not verifier.project.weights
-    net_input = source_batch(dictionary, 3)
-    ours = verifier.encode(net_input)["encoder_out"][0]
-    assert torch.equal(ours, model.encoder.forward_torchscript(net_input)["encoder_out"][0])
 
 
 @torch.no_grad()

@@ -157,7 +157,7 @@ def test_the_common_decoder_layers_run_as_one_scripted_call_with_the_modules_log
     unequal commits) and a tree, scored through the scripted layers and through the stock
     modules: the same logits and the same caches."""
     model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
-    assert scripted_layers.supported(model.decoder) == (variant in SCRIPTED_VARIANTS)
+    assert scripted_layers.decoder_supported(model.decoder) == (variant in SCRIPTED_VARIANTS)
     scripted, modules = BlockScorer(model), BlockScorer(model)
     modules.layers_function = None
     net_input = source_batch(dictionary, 3)
@@ -181,10 +181,10 @@ def test_int8_layers_go_through_the_modules():
     """--drafter-precision int8 replaces the feed-forward layers with dynamically quantized ones,
     which the scripted layers do not compute."""
     model, _ = tiny_transformer()
-    assert scripted_layers.supported(model.decoder)
+    assert scripted_layers.decoder_supported(model.decoder)
     quantized = torch.ao.quantization.quantize_dynamic(model, {"decoder.layers.1.fc1"},
                                                        dtype=torch.qint8)  # fmt: skip
-    assert not scripted_layers.supported(quantized.decoder)
+    assert not scripted_layers.decoder_supported(quantized.decoder)
     assert BlockScorer(quantized).layers_function is None
 
 

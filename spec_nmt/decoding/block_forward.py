@@ -1,6 +1,7 @@
 """A stock fairseq ``TransformerDecoderBase`` run over a block of entries with explicit positions
-and any per-row visibility between them, through the decoder's own modules; and the stock
-encoder's forward, so that decoding can run both with its packed linear products (``project``).
+and any per-row visibility between them, through the decoder's own modules (with ``project``,
+decoding's packed linear products); and the stock encoder's forward with its layers run by
+``scripted_layers``.
 
 fairseq's decoder knows two attention patterns, causal (training, incremental decoding) and full
 (``full_context_alignment``), each the same for every row. Block scoring on a cache (the verifier
@@ -15,11 +16,10 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from fairseq.models.transformer import TransformerEncoderBase
-from fairseq.modules.transformer_layer import TransformerEncoderLayer, TransformerEncoderLayerBase
 from torch import Tensor, nn
 
 from spec_nmt.decoding import scripted_layers
+from spec_nmt.decoding.scripted_layers import ScriptedLayers
 from spec_nmt.errors import SpecNmtError
 
 # (layer's self-attention module, block queries' input [W, B, C]) -> attention output [W, B, C]
@@ -50,30 +50,6 @@ class OwnLinears:
 plain = OwnLinears()
 
 
-def encoder_supported(encoder) -> bool:
-    """Whether ``encode`` reproduces this encoder's forward (a fairseq Transformer encoder with
-    the stock forward, whose layers are stock ones with plain self-attention); else the stock
-    forward runs."""
-    if not isinstance(encoder, TransformerEncoderBase) or any(
-        getattr(type(encoder), name) is not getattr(TransformerEncoderBase, name)
-        for name in ("forward", "forward_scriptable", "forward_embedding")
-    ):
-        return False
-    for layer in encoder.layers:
-        if type(layer) not in (TransformerEncoderLayerBase, TransformerEncoderLayer) or (
-            layer.return_fc or _unusual_attention(layer.self_attn)
-        ):
-            return False
-    return True
-
-
-def _unusual_attention(attn) -> bool:
-    """Whether an attention module has what ``attend`` does not compute: extra keys (bias_k,
-    add_zero_attn) or rotary positions."""
-    return (attn.bias_k is not None or attn.add_zero_attn
-            or getattr(attn, "rotary_pos_embed", None) is not None)  # fmt: skip
-
-
 class RealTokens:
     """The non-padding tokens of a [S, B] layout. Position-wise layers (linear products, norms,
     residuals) run on their rows only, [N, C]; attention unpacks them to the padded layout.
@@ -94,28 +70,28 @@ class RealTokens:
         return full.index_copy_(0, self.index, x).view(*self.shape, x.size(-1))
 
 
-def encode(encoder, src_tokens: Tensor, project: Project = plain) -> Dict[str, List[Tensor]]:
-    """The stock encoder's output for ``src_tokens`` (fairseq's ``encoder_out`` dict), its
-    layers run with ``project`` for their linear layers (the decoding loop's packed products):
-    the embedding as the encoder does it, then per layer the self-attention over the
-    non-padding tokens and the feed-forward block, each with its residual and norm. Only the
-    real tokens are computed: the output is zero at the padding (which every reader masks; the
-    stock encoder leaves values there that nothing may use)."""
+def encode(encoder, src_tokens: Tensor, scripted: ScriptedLayers) -> Dict[str, List[Tensor]]:
+    """The stock encoder's output for ``src_tokens`` (fairseq's ``encoder_out`` dict) with its
+    layers run by ``encoder_layers`` (``scripted``: the encoder's layers taken for it, see
+    ``scripted_layers.encoder_supported``): the embedding and the final norm as the encoder does
+    them, the layers on the non-padding tokens only. The output is zero at the padding (which
+    every reader masks; the stock encoder leaves values there that nothing may use)."""
     padding = src_tokens.eq(encoder.padding_idx)
-    has_pads = bool(padding.any())
-    x, embedding = encoder.forward_embedding(src_tokens)
-    x = x.transpose(0, 1)  # [S, B, C]
-    bias, tokens = None, None
-    if has_pads:
+    x, embedding = encoder.forward_embedding(src_tokens)  # [B, S, C]
+    batch, length, channels = x.shape
+    bias, real = None, None
+    if bool(padding.any()):
         bias = additive_mask(~padding.unsqueeze(1), x.dtype)
-        tokens = RealTokens(padding)
-        x = tokens.pack(x)
-    for layer in encoder.layers:
-        x = _encoder_layer(layer, x, bias, project, tokens)
+        real = (~padding).flatten().nonzero().squeeze(1)
+    x = scripted_layers.encoder_layers_scripted(
+        x, scripted.layers, scripted.packed(batch * length if real is None else real.numel()),
+        bias, real, scripted.heads, scripted.scaling, scripted.eps, scripted.normalize_before,
+        scripted.gelu)
     if encoder.layer_norm is not None:
         x = encoder.layer_norm(x)
-    if tokens is not None:
-        x = tokens.unpack(x)
+    if real is not None:
+        x = x.new_zeros(batch * length, channels).index_copy_(0, real, x)
+    x = x.view(batch, length, channels).transpose(0, 1)  # [S, B, C]
     lengths = (~padding).sum(dim=1, dtype=torch.int32).reshape(-1, 1)
     return {"encoder_out": [x], "encoder_padding_mask": [padding],
             "encoder_embedding": [embedding], "encoder_states": [], "fc_results": [],
@@ -128,7 +104,7 @@ def check_supported(decoder, role: str) -> None:
     unsupported = decoder.cross_self_attention or decoder.adaptive_softmax is not None
     for attn in [m for layer in decoder.layers for m in (layer.self_attn, layer.encoder_attn)]:
         if attn is not None:
-            unsupported |= _unusual_attention(attn)
+            unsupported |= scripted_layers.unusual_attention(attn)
     if unsupported:
         raise SpecNmtError(
             f"{role} uses --cross-self-attention, an adaptive softmax or extra attention "
@@ -270,26 +246,6 @@ def _feed_forward(layer, x: Tensor, project: Project) -> Tensor:
     if getattr(layer, "ffn_layernorm", None) is not None:
         x = layer.ffn_layernorm(x)
     return layer.dropout_module(project(layer.fc2, x))
-
-
-def _encoder_layer(layer, x: Tensor, bias: Optional[Tensor], project: Project,
-                   tokens: Optional[RealTokens] = None) -> Tensor:  # fmt: skip
-    """One stock ``TransformerEncoderLayerBase`` over x [S, B, C], or with ``tokens`` over the
-    real tokens' rows [N, C] of that layout (``bias``: source padding)."""
-
-    def attend_self(x: Tensor) -> Tensor:
-        attn = layer.self_attn
-        projected = project.many((attn.q_proj, attn.k_proj, attn.v_proj), x)
-        if tokens is not None:
-            projected = [tokens.unpack(part) for part in projected]
-        query, keys, values = (split_heads(part, attn.num_heads) for part in projected)
-        out = _attention(attn, query, keys, values, bias)
-        if tokens is not None:
-            out = tokens.pack(out)
-        return layer.dropout_module(project(attn.out_proj, out))
-
-    x = _sublayer(layer, layer.self_attn_layer_norm, x, attend_self)
-    return _sublayer(layer, layer.final_layer_norm, x, lambda x: _feed_forward(layer, x, project))
 
 
 def _layer(layer, x: Tensor, self_attention: SelfAttention, encoder_kv, encoder_bias,

@@ -132,10 +132,6 @@ class PackedLinears:
         that)."""
         return tuple(rows >= packed_from for packed_from in self.packed_from.values())
 
-    def covers(self, module: nn.Module) -> bool:
-        """Whether any linear layer of ``module`` was packed."""
-        return any(layer in self.weights for layer in module.modules())
-
     def __call__(self, linear: nn.Module, x: Tensor) -> Tensor:
         if not self._serves(linear, x):
             return linear(x)

@@ -93,28 +93,27 @@ class BlockScorer:
         self._position_table: Optional[Tensor] = None
         # the model's linear layers with prepacked weights (blocks of a few entries per row)
         self.project = project or PackedLinears(model)
-        # the encoder runs its packed products through block_forward.encode where it can;
-        # elsewhere (nothing packed: CUDA, fp16, no oneDNN) fairseq's own forward
-        encoder = model.encoder
-        self._packed_encoder = block_forward.encoder_supported(encoder) and self.project.covers(
-            encoder
-        )
         # the decoder layers as one scripted call where they are the common kind, else (None)
         # through the stock modules; the benchmark swaps in other engines of the same function
         self.layers_function = (scripted_layers.decoder_layers_scripted
-                                if scripted_layers.supported(decoder) else None)  # fmt: skip
+                                if scripted_layers.decoder_supported(decoder) else None)  # fmt: skip
         self._scripted: Optional[scripted_layers.ScriptedLayers] = None
+        # and the encoder's layers by encoder_layers where they are the stock kind
+        self._encoder_supported = scripted_layers.encoder_supported(model.encoder)
+        self._scripted_encoder: Optional[scripted_layers.ScriptedLayers] = None
 
     def max_positions(self) -> int:
         return self.decoder.max_positions()
 
     def encode(self, net_input: Dict[str, Tensor]) -> Dict:
-        """The encoder output for the batch (fairseq's ``encoder_out`` dict), with the packed
-        products where they exist and the encoder is a stock Transformer one."""
+        """The encoder output for the batch (fairseq's ``encoder_out`` dict): its layers run by
+        ``scripted_layers`` where the encoder is a stock Transformer one, in evaluation without
+        gradient; else fairseq's own forward."""
         encoder = self.model.encoder
-        if self._packed_encoder:
-            return block_forward.encode(encoder, net_input["src_tokens"], self.project)
-        return encoder.forward_torchscript(net_input)
+        if not self._encoder_supported or encoder.training or torch.is_grad_enabled():
+            return encoder.forward_torchscript(net_input)
+        self._scripted_encoder = _current(self._scripted_encoder, encoder.layers, self.project)
+        return block_forward.encode(encoder, net_input["src_tokens"], self._scripted_encoder)
 
     def start(
         self, net_input: Dict[str, Tensor], encoder_out: Optional[Dict] = None
@@ -194,8 +193,7 @@ class BlockScorer:
         decoder in evaluation without gradient), taken again after a weight changed."""
         if self.layers_function is None or self.decoder.training or torch.is_grad_enabled():
             return None
-        if self._scripted is None or not self._scripted.current():
-            self._scripted = scripted_layers.ScriptedLayers(self.decoder, self.project)
+        self._scripted = _current(self._scripted, self.decoder.layers, self.project)
         return self._scripted
 
     def _module_layers(self, state: ScorerState, x: Tensor, span: int, bias: Tensor,
@@ -291,6 +289,13 @@ class BlockScorer:
             length = min(max(length, 256), limit)
             self._position_table = block_forward.position_table(self.decoder, length)
         return self._position_table
+
+
+def _current(taken: Optional[scripted_layers.ScriptedLayers], layers, project: PackedLinears):
+    """``taken`` where it holds the layers' current weights, else the layers taken now."""
+    if taken is None or not taken.current():
+        return scripted_layers.ScriptedLayers(layers, project)
+    return taken
 
 
 def _attention_bias(state: ScorerState, visible: Tensor, first_slot: Optional[int], span: int,

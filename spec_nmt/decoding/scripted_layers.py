@@ -16,7 +16,13 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from fairseq import utils
-from fairseq.modules.transformer_layer import TransformerDecoderLayer, TransformerDecoderLayerBase
+from fairseq.models.transformer import TransformerEncoderBase
+from fairseq.modules.transformer_layer import (
+    TransformerDecoderLayer,
+    TransformerDecoderLayerBase,
+    TransformerEncoderLayer,
+    TransformerEncoderLayerBase,
+)
 from torch import Tensor, nn
 
 from spec_nmt.decoding.linears import PackedLinears
@@ -31,11 +37,6 @@ MATMUL_ATTENTION_ROWS = 12
 # the activations decoder_layers computes: ReLU, and fairseq's GELU (in fp32)
 ACTIVATIONS = (utils.get_activation_fn("relu"), utils.get_activation_fn("gelu"))
 
-# each layer's tensors, in this order (the attention's query, key and value as one product)
-LAYER_TENSORS = ("self_norm_weight", "self_norm_bias", "qkv_weight", "qkv_bias", "self_out_weight",
-                 "self_out_bias", "source_norm_weight", "source_norm_bias", "source_query_weight",
-                 "source_query_bias", "source_out_weight", "source_out_bias", "ffn_norm_weight",
-                 "ffn_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")  # fmt: skip
 
 
 def _script(function):
@@ -112,70 +113,160 @@ def decoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Opti
 
         residual = x
         h = F.layer_norm(x, [channels], p[12], p[13], eps) if normalize_before else x
-        h = _linear(h, p[14], p[15], k[4])
-        h = F.gelu(h.float()).type_as(h) if gelu else F.relu(h)
+        h = _activation(_linear(h, p[14], p[15], k[4]), gelu)
         x = residual + _linear(h, p[16], p[17], k[5])
         if not normalize_before:
             x = F.layer_norm(x, [channels], p[12], p[13], eps)
     return x
 
 
-# what block scoring runs: the function above compiled with everything it calls
+def _activation(x: Tensor, gelu: bool) -> Tensor:
+    return F.gelu(x.float()).type_as(x) if gelu else F.relu(x)
+
+
+def encoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Optional[Tensor]]],
+                   bias: Optional[Tensor], real: Optional[Tensor], heads: int, scaling: float,
+                   eps: float, normalize_before: bool, gelu: bool) -> Tensor:  # fmt: skip
+    """The encoder layers over the embedded source x [B, S, C]; ``bias`` masks the padding
+    [B, 1, 1, S]. With ``real``, the flat indices of the non-padding tokens in B x S, the
+    products, norms and residuals run on those rows only [N, C] (attention on the padded
+    layout) and so does the output; else it is [B, S, C]."""
+    batch, length, channels = x.shape
+    if real is not None:
+        x = x.reshape(batch * length, channels).index_select(0, real)
+    for i in range(len(layers)):
+        p = layers[i]
+        k = packed[i]
+
+        residual = x
+        h = F.layer_norm(x, [channels], p[0], p[1], eps) if normalize_before else x
+        projected = _linear(h, p[2], p[3], k[0])
+        if real is not None:
+            rows = projected.new_zeros(batch * length, 3 * channels)
+            projected = rows.index_copy_(0, real, projected)
+        query, key, value = projected.view(batch, length, 3 * channels).split(channels, dim=-1)
+        h = attention(_split_heads(query, heads), _split_heads(key, heads),
+                      _split_heads(value, heads), bias, scaling).transpose(1, 2)  # fmt: skip
+        if real is not None:
+            h = h.reshape(batch * length, channels).index_select(0, real)
+        else:
+            h = h.reshape(batch, length, channels)
+        x = residual + _linear(h, p[4], p[5], k[1])
+        if not normalize_before:
+            x = F.layer_norm(x, [channels], p[0], p[1], eps)
+
+        residual = x
+        h = F.layer_norm(x, [channels], p[6], p[7], eps) if normalize_before else x
+        h = _activation(_linear(h, p[8], p[9], k[2]), gelu)
+        x = residual + _linear(h, p[10], p[11], k[3])
+        if not normalize_before:
+            x = F.layer_norm(x, [channels], p[6], p[7], eps)
+    return x
+
+
+# what decoding runs: the functions above compiled with everything they call
 decoder_layers_scripted = _script(decoder_layers)
+encoder_layers_scripted = _script(encoder_layers)
 
 
-def _norms(layer) -> Tuple[nn.Module, ...]:
-    return (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+def unusual_attention(attn) -> bool:
+    """Whether an attention module has what ``attention`` does not compute: extra keys (bias_k,
+    add_zero_attn) or rotary positions."""
+    return (attn.bias_k is not None or attn.add_zero_attn
+            or getattr(attn, "rotary_pos_embed", None) is not None)  # fmt: skip
 
 
-def supported(decoder) -> bool:
-    """Whether ``ScriptedLayers`` reproduces this decoder's layers (see the module docstring;
-    their products plain ``nn.Linear`` layers: not int8 ones)."""
-    layers = list(decoder.layers)
-    if not layers or decoder.project_out_dim is not None:
+def _parts(layer) -> List[Tuple[nn.Module, ...]]:
+    """A layer's norms and products in the order the layer functions read their weights and
+    biases: per sub-block its norm, then its two products (several layers: one product of their
+    weights concatenated)."""
+    attn = layer.self_attn
+    parts = [(layer.self_attn_layer_norm,), (attn.q_proj, attn.k_proj, attn.v_proj),
+             (attn.out_proj,)]  # fmt: skip
+    source = getattr(layer, "encoder_attn", None)
+    if source is not None:
+        parts += [(layer.encoder_attn_layer_norm,), (source.q_proj,), (source.out_proj,)]
+    return parts + [(layer.final_layer_norm,), (layer.fc1,), (layer.fc2,)]
+
+
+def _products(layer) -> List[Tuple[nn.Module, ...]]:
+    return [part for i, part in enumerate(_parts(layer)) if i % 3]
+
+
+def _layers_supported(layers: List[nn.Module], final_norm: Optional[nn.Module]) -> bool:
+    """What the encoder and the decoder layer functions both need: LayerNorms of one eps,
+    plain linear layers (not int8 ones), ReLU or GELU, one norm placement and one attention
+    shape throughout, attention without extra keys."""
+    if not layers:
         return False
-    norms = [norm for layer in layers for norm in _norms(layer)]
-    if decoder.layer_norm is not None:
-        norms.append(decoder.layer_norm)
+    norms = [part[0] for layer in layers for part in _parts(layer)[::3]]
+    norms += [final_norm] * (final_norm is not None)
     if not all(type(norm) is nn.LayerNorm and norm.elementwise_affine and norm.bias is not None
                for norm in norms) or len({norm.eps for norm in norms}) > 1:  # fmt: skip
         return False
-    first = layers[0].self_attn
+    first = layers[0]
+    shape = (first.self_attn.num_heads, first.self_attn.scaling)
     for layer in layers:
-        self_attn, encoder_attn = layer.self_attn, layer.encoder_attn
-        if (type(layer) not in (TransformerDecoderLayerBase, TransformerDecoderLayer)
-                or encoder_attn is None or layer.cross_self_attention
-                or layer.c_attn is not None or layer.attn_ln is not None
-                or layer.w_resid is not None or getattr(layer, "ffn_layernorm", None) is not None
-                or layer.activation_fn not in ACTIVATIONS
-                or any(type(linear) is not nn.Linear for group in _products(layer)
-                       for linear in group)
-                or layer.normalize_before != layers[0].normalize_before
-                or not self_attn.qkv_same_dim or self_attn.kdim != self_attn.embed_dim
-                or (self_attn.num_heads, self_attn.scaling) != (first.num_heads, first.scaling)
-                or (encoder_attn.num_heads, encoder_attn.scaling)
-                != (first.num_heads, first.scaling)):  # fmt: skip
+        attentions = [layer.self_attn] + [getattr(layer, "encoder_attn", None)] * hasattr(
+            layer, "encoder_attn")
+        if (layer.activation_fn not in ACTIVATIONS
+                or layer.normalize_before != first.normalize_before
+                or any(type(linear) is not nn.Linear for part in _products(layer)
+                       for linear in part)
+                or not layer.self_attn.qkv_same_dim
+                or layer.self_attn.kdim != layer.self_attn.embed_dim
+                or any(attn is None or unusual_attention(attn)
+                       or (attn.num_heads, attn.scaling) != shape for attn in attentions)):  # fmt: skip
             return False
     return True
 
 
-class ScriptedLayers:
-    """A supported decoder's layers (``supported``) as ``decoder_layers`` arguments, taken when it
-    is made; ``current()`` says whether the model's weights are still those."""
+def decoder_supported(decoder) -> bool:
+    """Whether ``decoder_layers`` reproduces this decoder's layers: stock ones with encoder
+    attention, none of NormFormer's extras, no projection after them."""
+    layers = list(decoder.layers)
+    return (decoder.project_out_dim is None and not decoder.cross_self_attention
+            and all(type(layer) in (TransformerDecoderLayerBase, TransformerDecoderLayer)
+                    and layer.c_attn is None and layer.attn_ln is None and layer.w_resid is None
+                    and getattr(layer, "ffn_layernorm", None) is None for layer in layers)
+            and _layers_supported(layers, decoder.layer_norm))  # fmt: skip
 
-    def __init__(self, decoder, project: PackedLinears):
-        self.decoder = decoder
+
+def encoder_supported(encoder) -> bool:
+    """Whether ``block_forward.encode`` (``encoder_layers``) reproduces this encoder's forward:
+    a fairseq Transformer encoder with the stock forward and stock layers."""
+    if not isinstance(encoder, TransformerEncoderBase) or any(
+        getattr(type(encoder), name) is not getattr(TransformerEncoderBase, name)
+        for name in ("forward", "forward_scriptable", "forward_embedding")
+    ):
+        return False
+    layers = list(encoder.layers)
+    return all(type(layer) in (TransformerEncoderLayerBase, TransformerEncoderLayer)
+               and not layer.return_fc for layer in layers) and _layers_supported(
+        layers, encoder.layer_norm)  # fmt: skip
+
+
+class ScriptedLayers:
+    """A supported stack of layers (``decoder_supported``, ``encoder_supported``) as the layer
+    functions' arguments, taken when it is made; ``current()`` says whether the model's weights
+    are still those."""
+
+    def __init__(self, layers: nn.ModuleList, project: PackedLinears):
+        self.modules = layers
         self.project = project
-        first = decoder.layers[0]
+        first = layers[0]
         self.heads = first.self_attn.num_heads
         self.scaling = float(first.self_attn.scaling)
         self.eps = float(first.self_attn_layer_norm.eps)
         self.normalize_before = bool(first.normalize_before)
         self.gelu = first.activation_fn is ACTIVATIONS[1]
-        self.sources = [param for param in decoder.layers.parameters()]
+        self.sources = list(layers.parameters())
         self.fingerprint = self._fingerprint()
         with torch.no_grad():
-            self.layers = [self._layer_tensors(layer) for layer in decoder.layers]
+            self.layers = [
+                [tensor for part in _parts(layer) for tensor in _weight_and_bias(part)]
+                for layer in layers
+            ]
         self._packed_by_choice = {}
 
     def _fingerprint(self) -> List[Tuple[int, int]]:
@@ -185,43 +276,22 @@ class ScriptedLayers:
         """Whether no layer weight was replaced or changed in place since these were taken."""
         return self._fingerprint() == self.fingerprint
 
-    def _layer_tensors(self, layer) -> List[Tensor]:
-        attn, source = layer.self_attn, layer.encoder_attn
-        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        tensors = {
-            "qkv_weight": torch.cat([linear.weight for linear in qkv]),
-            "qkv_bias": torch.cat([_bias(linear) for linear in qkv]),
-        }
-        named = {"self_norm": layer.self_attn_layer_norm, "self_out": attn.out_proj,
-                 "source_norm": layer.encoder_attn_layer_norm, "source_query": source.q_proj,
-                 "source_out": source.out_proj, "ffn_norm": layer.final_layer_norm,
-                 "fc1": layer.fc1, "fc2": layer.fc2}  # fmt: skip
-        for name, module in named.items():
-            tensors[f"{name}_weight"] = module.weight.detach()
-            tensors[f"{name}_bias"] = _bias(module)
-        return [tensors[name] for name in LAYER_TENSORS]
-
     def packed(self, rows: int) -> List[List[Optional[Tensor]]]:
         """Per layer, the packed copy of each product that ``project`` runs packed for ``rows``
         rows, else None (the layer's own product)."""
         choice = self.project.choice(rows)
         packed = self._packed_by_choice.get(choice)
         if packed is None:
-            packed = [[self.project.packed_weight(group, rows) for group in _products(layer)]
-                      for layer in self.decoder.layers]  # fmt: skip
+            packed = [[self.project.packed_weight(part, rows) for part in _products(layer)]
+                      for layer in self.modules]  # fmt: skip
             self._packed_by_choice[choice] = packed
         return packed
 
 
-def _products(layer) -> Tuple[Tuple[nn.Linear, ...], ...]:
-    """A layer's products in the order ``decoder_layers`` reads their packed copies."""
-    attn, source = layer.self_attn, layer.encoder_attn
-    return ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.out_proj,), (source.q_proj,),
-            (source.out_proj,), (layer.fc1,), (layer.fc2,))  # fmt: skip
-
-
-def _bias(linear: nn.Module) -> Tensor:
-    """The layer's bias, zeros where it has none (adding zero changes nothing)."""
-    if linear.bias is not None:
-        return linear.bias.detach()
-    return linear.weight.new_zeros(linear.weight.size(0))
+def _weight_and_bias(part: Tuple[nn.Module, ...]) -> List[Tensor]:
+    """A norm's or product's weight and bias (zeros for a product without one: adding zero
+    changes nothing)."""
+    weight = torch.cat([module.weight.detach() for module in part])
+    bias = [module.weight.new_zeros(module.weight.size(0)) if module.bias is None
+            else module.bias.detach() for module in part]  # fmt: skip
+    return [weight, torch.cat(bias)]
