@@ -172,9 +172,19 @@ LAYER_ENGINES = {
     "modules": lambda: None,  # through the stock fairseq modules (block_forward)
     "eager": lambda: scripted_layers.decoder_layers,  # one function of plain tensor operations
     "scripted": lambda: scripted_layers.decoder_layers_scripted,  # that function in TorchScript
-    # that function compiled by inductor (dynamic: slots and spans change from call to call)
-    "compiled": lambda: torch.compile(scripted_layers.decoder_layers, dynamic=True),
+    # that function compiled by inductor (dynamic: slots and spans change from call to call),
+    # with the layers' own products: inductor cannot trace the packed oneDNN ones
+    "compiled": lambda: without_packed(torch.compile(scripted_layers.decoder_layers, dynamic=True)),
 }
+
+
+def without_packed(layers_function):
+    """``layers_function`` called with no packed product (each layer's own)."""
+
+    def call(x, layers, packed, *rest):
+        return layers_function(x, layers, [[None] * len(row) for row in packed], *rest)
+
+    return call
 
 
 def block_cost(args):

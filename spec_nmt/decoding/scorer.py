@@ -120,9 +120,12 @@ class BlockScorer:
     ) -> ScorerState:
         """Project the batch's encoder output (``encoder_out``, from ``encode`` or another
         model's: the cached drafter reads the verifier's; by default encoded here) for every
-        layer's encoder attention; nothing is cached for the decoder yet."""
+        layer's encoder attention; nothing is cached for the decoder yet. The scripted
+        decoder layers are taken again here if a weight changed since the last batch."""
         if encoder_out is None:
             encoder_out = self.encode(net_input)
+        if self._scripted is not None:
+            self._scripted = _current(self._scripted, self.decoder.layers, self.project)
         encoded = encoder_out["encoder_out"][0]  # [source length, B, C]
         return ScorerState(encoded.size(1), encoded.device,
                              *block_forward.encoder_keys_values(self.decoder, encoder_out,
@@ -190,10 +193,12 @@ class BlockScorer:
 
     def _scripted_layers(self) -> Optional[scripted_layers.ScriptedLayers]:
         """The decoder's layers for ``decoder_layers`` where they serve this call (a supported
-        decoder in evaluation without gradient), taken again after a weight changed."""
+        decoder in evaluation without gradient): taken at the first call, and again by
+        ``start`` when a weight has changed (one check per batch, not per call)."""
         if self.layers_function is None or self.decoder.training or torch.is_grad_enabled():
             return None
-        self._scripted = _current(self._scripted, self.decoder.layers, self.project)
+        if self._scripted is None:
+            self._scripted = scripted_layers.ScriptedLayers(self.decoder.layers, self.project)
         return self._scripted
 
     def _module_layers(self, state: ScorerState, x: Tensor, span: int, bias: Tensor,
