@@ -174,7 +174,8 @@ LAYER_ENGINES = {
     "scripted": lambda: scripted_layers.decoder_layers_scripted,  # that function in TorchScript
     # that function compiled by inductor (dynamic: slots and spans change from call to call),
     # with the layers' own products: inductor cannot trace the packed oneDNN ones
-    "compiled": lambda: without_packed(torch.compile(scripted_layers.decoder_layers, dynamic=True)),
+    "compiled": lambda: without_packed(
+        torch.compile(scripted_layers.decoder_layers, dynamic=True)),
 }
 
 

@@ -1,11 +1,11 @@
 """Linear layers for decoding: fp32 matrix products with weights prepacked for oneDNN.
 
 A block of a few entries per row is the worst shape for the CPU's default fp32 products (MKL's
-``addmm``) on AMD: the output projection over 8,008 symbols for 4 entries took 350 us against
-65 us with a weight packed once for oneDNN (AMD EPYC, 2 threads). On Intel MKL is the faster one
-for a single row, and oneDNN from a few rows on (BENCHMARKS.md, "Prepacked fp32 products"). So
-each weight shape is timed both ways when the layers are packed, and runs packed from the row
-count where that was faster. The products stay fp32: only their summation order changes, as it
+``addmm``) on AMD, where a weight packed once for oneDNN is several times faster. On Intel MKL
+is the faster one for a single row, and oneDNN from a few rows on (docs/lab-notes.md,
+"Prepacked fp32 products" and "The decoder and encoder layers as one TorchScript function").
+So each weight shape is timed both ways when the layers are packed, and runs packed from the
+row count where that was faster. The products stay fp32: only their summation order changes, as it
 already does between one entry and a block.
 
 ``PackedLinears(module)`` packs every fp32 ``nn.Linear`` of a module (when this torch has oneDNN

@@ -95,8 +95,8 @@ class BlockScorer:
         self.project = project or PackedLinears(model)
         # the decoder layers as one scripted call where they are the common kind, else (None)
         # through the stock modules; the benchmark swaps in other engines of the same function
-        self.layers_function = (scripted_layers.decoder_layers_scripted
-                                if scripted_layers.decoder_supported(decoder) else None)  # fmt: skip
+        supported = scripted_layers.decoder_supported(decoder)
+        self.layers_function = scripted_layers.decoder_layers_scripted if supported else None
         self._scripted: Optional[scripted_layers.ScriptedLayers] = None
         # and the encoder's layers by encoder_layers where they are the stock kind
         self._encoder_supported = scripted_layers.encoder_supported(model.encoder)

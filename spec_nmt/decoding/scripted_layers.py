@@ -29,8 +29,7 @@ from spec_nmt.decoding.linears import PackedLinears
 
 # From this many queries per head (batch x queries) attention on the CPU runs as two batched
 # products around a softmax: scaled_dot_product_attention's CPU kernel pays per row and head,
-# 1.8-2.9x the products' time for a block of 4-11 entries at batch 32 (AMD EPYC, 2 threads),
-# while one sentence's few queries are faster through it (BENCHMARKS.md, "Attention through
+# while one sentence's few queries are faster through it (docs/lab-notes.md, "Attention through
 # batched products").
 MATMUL_ATTENTION_ROWS = 12
 
@@ -41,7 +40,7 @@ ACTIVATIONS = (utils.get_activation_fn("relu"), utils.get_activation_fn("gelu"))
 
 def _script(function):
     """``torch.jit.script`` without its deprecation warning (torch is pinned; torch.compile,
-    its successor, recompiled for every block width here: BENCHMARKS.md)."""
+    its successor, lost to it here: BENCHMARKS.md, "What a block costs the verifier")."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return torch.jit.script(function)
@@ -76,7 +75,8 @@ def decoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Opti
                    keys: List[Tensor], values: List[Tensor], first_slot: int,
                    slots: Optional[Tensor], span: int, bias: Tensor, encoder_keys: List[Tensor],
                    encoder_values: List[Tensor], encoder_bias: Optional[Tensor], heads: int,
-                   scaling: float, eps: float, normalize_before: bool, gelu: bool) -> Tensor:  # fmt: skip
+                   scaling: float, eps: float, normalize_before: bool,
+                   gelu: bool) -> Tensor:  # fmt: skip
     """The layers over an embedded block x [B, W, C]. Each layer writes the block's keys and
     values into its cache [B, heads, capacity, head_dim] at ``first_slot`` (every row alike) or
     at ``slots`` [B, W], and its queries see the first ``span`` slots under ``bias``."""
@@ -216,7 +216,8 @@ def _layers_supported(layers: List[nn.Module], final_norm: Optional[nn.Module]) 
                 or not layer.self_attn.qkv_same_dim
                 or layer.self_attn.kdim != layer.self_attn.embed_dim
                 or any(attn is None or unusual_attention(attn)
-                       or (attn.num_heads, attn.scaling) != shape for attn in attentions)):  # fmt: skip
+                       or (attn.num_heads, attn.scaling) != shape
+                       for attn in attentions)):  # fmt: skip
             return False
     return True
 
