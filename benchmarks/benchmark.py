@@ -152,7 +152,8 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
     sub.add_argument("--beam5", action="store_true", help="add fairseq beam 5")
     sub.add_argument("--stock-modules", action="store_true",
                      help="add the drafter-less loop and the defaults with the decoder layers "
-                     "run through fairseq's modules instead of the scripted layers")
+                     "run through fairseq's modules instead of the scripted layers (the "
+                     "encoder stays scripted)")
     sub.add_argument("--lossless-blocks", type=comma_list(int), default=[],
                      help="add the real drafter, lossless, at each of these k")
     sub.add_argument("--top-beta", type=setting, default=None,

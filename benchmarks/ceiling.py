@@ -33,6 +33,7 @@ from common import (
 
 from spec_nmt.decoding import scripted_layers
 from spec_nmt.decoding.loop import SpeculativeGenerator
+from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer
 
 
@@ -44,9 +45,9 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
                "spec lossless, real drafter": speculating(pair, block_size=args.block),
                "spec-nmt defaults": defaults(pair)}  # fmt: skip
     if args.stock_modules:
-        systems["spec-nmt greedy (no drafts), stock modules"] = through_modules(
+        systems["spec-nmt greedy (no drafts), stock decoder modules"] = through_modules(
             pair.generator(block_size=0))
-        systems["spec-nmt defaults, stock modules"] = through_modules(defaults(pair))
+        systems["spec-nmt defaults, stock decoder modules"] = through_modules(defaults(pair))
     if args.beam5:
         systems["fairseq beam5"] = fairseq_generator(pair, 5)
     for block in args.lossless_blocks:
@@ -69,7 +70,8 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
 
 def through_modules(generator: SpeculativeGenerator) -> SpeculativeGenerator:
     """The generator with its verifier's and drafter's decoder layers run through the stock
-    fairseq modules instead of the scripted layers (how every call ran before them)."""
+    fairseq modules instead of the scripted layers (the encoder and the products' kernels stay
+    as they are)."""
     generator.verifier.layers_function = None
     scorer = getattr(generator.drafter, "scorer", None)
     if scorer is not None:  # the pair's drafter adapter is shared: change a copy
@@ -200,8 +202,9 @@ def block_cost(args):
     pair = load_pair(args)
     tokens = pair.encode(read_lines(args.src, args.lines))
     scorers = {}
+    project = PackedLinears(pair.verifier)  # one kernel choice for every engine
     for engine in args.engines:
-        scorers[engine] = BlockScorer(pair.verifier)
+        scorers[engine] = BlockScorer(pair.verifier, project=project)
         scorers[engine].layers_function = LAYER_ENGINES[engine]()
     reference = args.engines[0]
     symbols = (pair.tgt_dict.nspecial, len(pair.tgt_dict))
@@ -260,7 +263,7 @@ def block_cost(args):
                     (f"{name}_cost_vs_narrowest", f"{name}: × narrowest W")]  # fmt: skip
         if name != reference:
             columns += [(f"{name}_vs_{reference}", f"{name} ÷ {reference}"),
-                        (f"{name}_max_abs_logit_difference", "largest logit difference")]
+                        (f"{name}_max_abs_logit_difference", f"{name}: largest logit difference")]
     print(table(columns, rows))
     write_result(args, result)
 

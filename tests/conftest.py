@@ -9,6 +9,7 @@ import pickle
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # One worker per core: a second intra-op thread per process (the fairseq tools the tests run
     # inherit this) would only contend for the other worker's core.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The product kernels each machine chose (spec_nmt/decoding/linears.py) are recorded under the
+# cache directory: the tests and the tools they run keep theirs apart from the user's.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="spec-nmt-test-cache-")
 
 from spec_nmt.files import written_whole
 from tests.toy_corpus import write_corpus

@@ -4,6 +4,8 @@ no longer what was packed, run packed from the row count timed for their shape, 
 verifier by the task; the encoder forward with the scripted layers gives the stock encoder's
 output, and in training the stock forward runs."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -111,6 +113,27 @@ def test_an_attentions_query_key_and_value_are_one_product(packed_from_one_row):
 ])  # fmt: skip
 def test_a_shape_runs_packed_from_where_packing_won_for_good(packed_faster, packed_from):
     assert linears.first_of_last_run((1, 4, 16, 64), packed_faster) == packed_from
+
+
+def test_a_machines_choice_is_timed_once_then_read_back(monkeypatch, tmp_path):
+    """The first packing of a shape on a machine times it and records the choice; later ones
+    (other processes, later runs) read it, so every run here rounds alike."""
+    monkeypatch.setattr(linears, "CHOICES_FILE", tmp_path / "cache" / "kernels.json")
+    timed = []
+    monkeypatch.setattr(linears, "_timed_packed_from",
+                        lambda outputs, inputs: timed.append((outputs, inputs)) or 16)
+    assert linears._packed_from(8, 4) == 16 and timed == [(8, 4)]
+    assert linears._packed_from(8, 4) == 16 and timed == [(8, 4)]
+    assert linears._packed_from(4, 8) == 16 and timed == [(8, 4), (4, 8)]
+    recorded = json.loads((tmp_path / "cache" / "kernels.json").read_text())
+    assert recorded == {linears._machine(): {"8x4": 16, "4x8": 16}}
+
+
+@needs_onednn
+def test_timing_the_kernels_leaves_the_random_state_alone():
+    state = torch.get_rng_state()
+    linears._timed_packed_from(16, 8)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 @needs_onednn

@@ -8,7 +8,8 @@ import torch
 from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerModel, base_architecture
 
-from spec_nmt.decoding import scripted_layers
+from spec_nmt.decoding import linears, scripted_layers
+from spec_nmt.decoding.linears import NEVER
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.decoding.tree import block_visibility
 from spec_nmt.errors import SpecNmtError
@@ -150,12 +151,19 @@ SCRIPTED_VARIANTS = ("post-norm (default)", "pre-norm", "layernorm-embedding", "
                      "no-scale-embedding", "no positional embeddings", "gelu")  # fmt: skip
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["own products", "packed products"])
 @pytest.mark.parametrize("variant", list(DECODER_VARIANTS))
 @torch.no_grad()
-def test_the_common_decoder_layers_run_as_one_scripted_call_with_the_modules_logits(variant):
+def test_the_common_decoder_layers_run_as_one_scripted_call_with_the_modules_logits(
+    monkeypatch, variant, packed
+):
     """The same chain blocks (every row's block at the same slot, then at different ones after
     unequal commits) and a tree, scored through the scripted layers and through the stock
-    modules: the same logits and the same caches."""
+    modules, with the layers' own products and with packed ones: the same logits and the same
+    caches."""
+    if packed and not linears.packing_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs: 1 if packed else NEVER)
     model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
     assert scripted_layers.decoder_supported(model.decoder) == (variant in SCRIPTED_VARIANTS)
     scripted, modules = BlockScorer(model), BlockScorer(model)

@@ -51,10 +51,9 @@ plain = OwnLinears()
 
 
 class RealTokens:
-    """The non-padding tokens of a [S, B] layout. Position-wise layers (linear products, norms,
-    residuals) run on their rows only, [N, C]; attention unpacks them to the padded layout.
-    In a batch of mixed lengths that skips the padding's share of the work (over half of it
-    for newstest2013's first 64 lines in one batch)."""
+    """The non-padding tokens of a [S, B] layout: the encoder output's keys and values are
+    projected for their rows only, [N, C], and unpacked to the padded layout (in a batch of
+    mixed lengths that skips the padding's share of the work)."""
 
     def __init__(self, padding: Tensor):  # [B, S] bool, True at padding
         self.shape = padding.t().shape

@@ -4,9 +4,10 @@ A block of a few entries per row is the worst shape for the CPU's default fp32 p
 ``addmm``) on AMD, where a weight packed once for oneDNN is several times faster. On Intel MKL
 is the faster one for a single row, and oneDNN from a few rows on (docs/lab-notes.md,
 "Prepacked fp32 products" and "The decoder and encoder layers as one TorchScript function").
-So each weight shape is timed both ways when the layers are packed, and runs packed from the
-row count where that was faster. The products stay fp32: only their summation order changes, as it
-already does between one entry and a block.
+So each weight shape is timed both ways the first time a machine packs it, and runs packed
+from the row count where that was faster. The choice is recorded (CHOICES_FILE) and kept, so
+that every run on a machine rounds alike. The products stay fp32: only their summation order
+changes, as it already does between one entry and a block.
 
 ``PackedLinears(module)`` packs every fp32 ``nn.Linear`` of a module (when this torch has oneDNN
 and the weights are on the CPU) and is then called as ``project(linear, x)`` wherever a decoding
@@ -16,18 +17,30 @@ the layer itself (an optimizer writing through ``.data`` is not seen: training n
 through it, and drafters under training get a new one per validation).
 """
 
+import json
+import logging
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+
+from spec_nmt.files import written_whole
+
+logger = logging.getLogger(__name__)
 
 # the row count oneDNN lays the weight out for; the layout serves 1 to 320 rows alike
 PACKING_ROWS = 64
 # the row counts a weight shape is timed at, both ways; past the last one its choice holds
 TIMED_ROWS = (1, 4, 16, 64)
 NEVER = 1 << 62  # the packed-from row count of a shape whose packed product never won
+# where each machine's choices are kept (per CPU model, torch version and thread count)
+CHOICES_FILE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spec-nmt" / (
+    "product-kernels.json")
 
 
 def packing_available() -> bool:
@@ -106,9 +119,9 @@ class PackedLinears:
         packed = self.weights.get(linear)
         return not (packed is None or torch.is_grad_enabled()  # (the copy has no gradient)
                     or x.dtype != torch.float32 or x.device.type != "cpu"
-                    or _rows(x) < self.packed_from[tuple(linear.weight.shape)]
                     or linear.weight.data_ptr() != packed.source
-                    or linear.weight._version != packed.version)  # fmt: skip
+                    or linear.weight._version != packed.version
+                    or _rows(x) < self.packed_from[tuple(linear.weight.shape)])  # fmt: skip
 
     def packed_weight(self, linears: Tuple[nn.Linear, ...], rows: int) -> Optional[Tensor]:
         """The packed copy of a layer (one) or group (several) for an fp32 CPU input of ``rows``
@@ -119,11 +132,11 @@ class PackedLinears:
         else:
             packed = self.groups.get(linears)
             shape = _group_shape(linears, packed) if packed else None
-        if packed is None or rows < self.packed_from[shape] or not all(
+        if packed is None or not all(
             linear.weight.data_ptr() == self.weights[linear].source
             and linear.weight._version == self.weights[linear].version
             for linear in linears
-        ):
+        ) or rows < self.packed_from[shape]:
             return None
         return packed.weight
 
@@ -148,14 +161,54 @@ def _rows(x: Tensor) -> int:
 
 
 def _packed_from(outputs: int, inputs: int) -> int:
-    """The fewest rows from which a packed product of this shape runs (``first_of_last_run``
-    over TIMED_ROWS), timed on a random weight: the values do not change the time."""
-    weight = torch.randn(outputs, inputs)
-    bias = torch.randn(outputs)
+    """The fewest rows from which a packed product of this shape runs: as recorded for this
+    machine in CHOICES_FILE, else timed now (``first_of_last_run`` over TIMED_ROWS) and
+    recorded, so that every later run here rounds the same way."""
+    machine, shape = _machine(), f"{outputs}x{inputs}"
+    choices = _recorded_choices()
+    if shape in choices.get(machine, {}):
+        return choices[machine][shape]
+    packed_from = _timed_packed_from(outputs, inputs)
+    choices = _recorded_choices()  # as another process may have left it meanwhile
+    choices.setdefault(machine, {})[shape] = packed_from
+    try:
+        CHOICES_FILE.parent.mkdir(parents=True, exist_ok=True)
+        with written_whole(CHOICES_FILE) as partial:
+            partial.write_text(json.dumps(choices, indent=1, sort_keys=True))
+    except OSError as error:  # a read-only home: the choice holds for this process only
+        logger.warning("cannot record the product kernels in %s: %s", CHOICES_FILE, error)
+    return packed_from
+
+
+def _machine() -> str:
+    """What the choice depends on: the CPU model, torch's version and its thread count."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            names = [line.split(":", 1)[1].strip() for line in cpuinfo
+                     if line.startswith("model name")]  # fmt: skip
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return f"{model} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def _recorded_choices() -> Dict[str, Dict[str, int]]:
+    try:
+        return json.loads(CHOICES_FILE.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: timed again
+        return {}
+
+
+def _timed_packed_from(outputs: int, inputs: int) -> int:
+    """Time both products of this shape (on constant values: they do not change the time, and
+    the global random state stays as it was)."""
+    weight = torch.full((outputs, inputs), 0.5)
+    bias = torch.full((outputs,), 0.5)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
     faster = []
     for rows in TIMED_ROWS:
-        x = torch.randn(rows, inputs)
+        x = torch.full((rows, inputs), 0.5)
         own = _seconds(lambda: torch.nn.functional.linear(x, weight, bias))
         onednn = _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
                                                                      [], ""))  # fmt: skip

@@ -4,10 +4,11 @@ autoregressive drafter (a small stock Transformer, whose drafts are blocks and t
 cached drafter (prefix entries and mask blocks on the verifier's encoder output).
 
 fairseq's own incremental decoder reads only the last input token and its attention takes one
-mask for the whole batch, so block scoring has its own short forward through the stock decoder
-layers' modules: token and position embeddings for the block, then per layer a self-attention
-over the cache with a per-row mask, an encoder attention over keys/values projected once per
-batch, and the stock feed-forward. A block may be a chain (causal inside the block) or a draft
+mask for the whole batch, so block scoring has its own short forward: token and position
+embeddings for the block, then per layer a self-attention over the cache with a per-row mask, an
+encoder attention over keys/values projected once per batch, and the feed-forward. The common
+decoder layers run as one TorchScript function (``scripted_layers``), the others through the
+stock modules (``block_forward``). A block may be a chain (causal inside the block) or a draft
 tree (each entry sees the cached prefix and its ancestors only; positions by depth).
 
 The cache is preallocated per layer ([rows, heads, capacity, head_dim], grown by doubling when a
@@ -70,7 +71,7 @@ class BlockScorer:
                  drafter: bool = False, project: Optional[PackedLinears] = None):  # fmt: skip
         """``role`` names the model in errors; ``drafter``: it scores blocks for a drafter (a
         cached drafter is a Spec-Drafter model, which is refused as a verifier); ``project``:
-        the model's packed linear layers, when packed before (packing takes a few ms)."""
+        the model's packed linear layers, when packed before (packing takes a while)."""
         if not drafter and getattr(model, "IS_DRAFTER", False):
             raise SpecNmtError(
                 f"{role} is a Spec-Drafter, not a verifier: the verifier is the Transformer "
@@ -99,7 +100,8 @@ class BlockScorer:
         self.layers_function = scripted_layers.decoder_layers_scripted if supported else None
         self._scripted: Optional[scripted_layers.ScriptedLayers] = None
         # and the encoder's layers by encoder_layers where they are the stock kind
-        self._encoder_supported = scripted_layers.encoder_supported(model.encoder)
+        self._encoder_supported = (scripted_layers.encoder_layers_scripted is not None
+                                   and scripted_layers.encoder_supported(model.encoder))
         self._scripted_encoder: Optional[scripted_layers.ScriptedLayers] = None
 
     def max_positions(self) -> int:

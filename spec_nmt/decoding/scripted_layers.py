@@ -1,15 +1,17 @@
-"""The decoder layers of block scoring as one TorchScript function over plain tensors.
+"""The decoder layers of block scoring, and the encoder's layers, each as one TorchScript
+function over plain tensors.
 
 ``block_forward`` runs a block through the stock decoder's modules: per layer a few dozen module
 calls, each with Python around a small product. When the block is one entry of one sentence, that
-Python costs more than the arithmetic. For the common layer (pre- or post-norm, ReLU or GELU,
-encoder attention in every layer, none of NormFormer's extras) ``ScriptedLayers`` takes the layers'
-tensors once and runs the same products, norms and attention in one call of
-``decoder_layers_scripted`` (``decoder_layers`` compiled by TorchScript: without the Python
-between its operations). Other layers, and training (dropout, gradients), keep
-``block_forward``; the tests hold the two to the same logits.
+Python costs more than the arithmetic. For the common layers (pre- or post-norm, ReLU or GELU,
+encoder attention in every decoder layer, none of NormFormer's extras) ``ScriptedLayers`` takes
+the layers' tensors once and runs the same products, norms and attention in one call of
+``decoder_layers_scripted`` or ``encoder_layers_scripted`` (the functions below compiled by
+TorchScript: without the Python between their operations). Other layers, and training (dropout,
+gradients), keep the stock modules; the tests hold the two to the same outputs.
 """
 
+import logging
 import warnings
 from typing import List, Optional, Tuple, Union
 
@@ -27,6 +29,8 @@ from torch import Tensor, nn
 
 from spec_nmt.decoding.linears import PackedLinears
 
+logger = logging.getLogger(__name__)
+
 # From this many queries per head (batch x queries) attention on the CPU runs as two batched
 # products around a softmax: scaled_dot_product_attention's CPU kernel pays per row and head,
 # while one sentence's few queries are faster through it (docs/lab-notes.md, "Attention through
@@ -37,19 +41,25 @@ MATMUL_ATTENTION_ROWS = 12
 ACTIVATIONS = (utils.get_activation_fn("relu"), utils.get_activation_fn("gelu"))
 
 
-
 def _script(function):
     """``torch.jit.script`` without its deprecation warning (torch is pinned; torch.compile,
-    its successor, lost to it here: BENCHMARKS.md, "What a block costs the verifier")."""
+    its successor, lost to it here: BENCHMARKS.md, "What a block costs the verifier"); None
+    where this torch cannot compile it (no oneDNN products): decoding then keeps the modules."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.script(function)
+        try:
+            return torch.jit.script(function)
+        except RuntimeError as error:
+            logger.warning("the layers run through the stock modules: %s",
+                           str(error).strip().splitlines()[0])  # fmt: skip
+            return None
 
 
 def attention(query: Tensor, keys: Tensor, values: Tensor, bias: Optional[Tensor], scaling: float,
               matmul_rows: int = MATMUL_ATTENTION_ROWS) -> Tensor:  # fmt: skip
     """Scaled dot-product attention of split heads [B, heads, T, head_dim] without dropout;
-    ``bias`` is an additive mask (0 or -inf) under which every query sees at least one key."""
+    ``bias`` is an additive mask (0 or -inf) under which every query sees at least one key.
+    (``matmul_rows`` is a default argument because TorchScript reads no module constants.)"""
     if (query.device.type == "cpu" and query.dtype == torch.float32
             and query.size(0) * query.size(2) >= matmul_rows):  # fmt: skip
         weights = torch.matmul(query * scaling, keys.transpose(-1, -2))
@@ -214,7 +224,6 @@ def _layers_supported(layers: List[nn.Module], final_norm: Optional[nn.Module]) 
                 or any(type(linear) is not nn.Linear for part in _products(layer)
                        for linear in part)
                 or not layer.self_attn.qkv_same_dim
-                or layer.self_attn.kdim != layer.self_attn.embed_dim
                 or any(attn is None or unusual_attention(attn)
                        or (attn.num_heads, attn.scaling) != shape
                        for attn in attentions)):  # fmt: skip
@@ -249,8 +258,10 @@ def encoder_supported(encoder) -> bool:
 
 class ScriptedLayers:
     """A supported stack of layers (``decoder_supported``, ``encoder_supported``) as the layer
-    functions' arguments, taken when it is made; ``current()`` says whether the model's weights
-    are still those."""
+    functions' arguments, taken when it is made: the modules' own tensors, and a copy of each
+    attention's query, key and value weights concatenated. ``current()`` says whether no weight
+    was replaced or changed in place since (an optimizer writing through ``.data`` is not seen:
+    training never goes through these)."""
 
     def __init__(self, layers: nn.ModuleList, project: PackedLinears):
         self.modules = layers
@@ -290,9 +301,10 @@ class ScriptedLayers:
 
 
 def _weight_and_bias(part: Tuple[nn.Module, ...]) -> List[Tensor]:
-    """A norm's or product's weight and bias (zeros for a product without one: adding zero
-    changes nothing)."""
-    weight = torch.cat([module.weight.detach() for module in part])
-    bias = [module.weight.new_zeros(module.weight.size(0)) if module.bias is None
-            else module.bias.detach() for module in part]  # fmt: skip
-    return [weight, torch.cat(bias)]
+    """A norm's or product's weight and bias: the module's own tensors (zeros for a product
+    without a bias: adding zero changes nothing); several modules' concatenated, a copy."""
+    biases = [module.weight.new_zeros(module.weight.size(0)) if module.bias is None
+              else module.bias.detach() for module in part]  # fmt: skip
+    if len(part) == 1:
+        return [part[0].weight.detach(), biases[0]]
+    return [torch.cat([module.weight.detach() for module in part]), torch.cat(biases)]
