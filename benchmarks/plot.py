@@ -2,7 +2,7 @@
 """Draw the figures of BENCHMARKS.md from the JSON results of benchmarks/benchmark.py.
 
     python benchmarks/plot.py [--results benchmarks/results] [--out benchmarks/plots]
-        [--speed draft-batch.json:ceiling-k3]
+        [--speed scripted-layers.json]
 
 Writes, under --out:
 - speed-by-batch.png: × fairseq greedy against batch size, one line per system, from a
@@ -33,6 +33,10 @@ SYSTEM_LABELS = {
     "spec-nmt greedy (no drafts)": "drafter-less loop (k = 0)",
     "spec lossless, real drafter": "drafting in every batch",
     "fairseq greedy": "fairseq greedy",
+    "spec-nmt greedy (no drafts), stock modules": "drafter-less loop, stock decoder modules",
+    "spec-nmt greedy (no drafts), stock decoder modules": "drafter-less loop, stock decoder modules",
+    "spec-nmt defaults, stock modules": "defaults, stock decoder modules",
+    "spec-nmt defaults, stock decoder modules": "defaults, stock decoder modules",
 }
 CTRANSLATE2 = "CTranslate2"
 # row keys that hold acceptance by draft position (a list, position 1 first)
@@ -75,10 +79,12 @@ def speed_by_batch(result: dict, out: Path) -> Path:
         series.setdefault(label(row["system"]), []).append(point)
     order = [*SYSTEM_LABELS.values(), "CTranslate2 float32", "CTranslate2 int8"]
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    # tab10 without its grey, which marks fairseq greedy
+    colours = iter([plt.cm.tab10(i) for i in range(10) if i != 7])
     for name in sorted(series, key=lambda n: order.index(n) if n in order else len(order)):
         points = sorted(series[name])
-        style = "--" if name.startswith(CTRANSLATE2) else "-"
-        colour = "grey" if name == "fairseq greedy" else None
+        style = "--" if name.startswith(CTRANSLATE2) else ":" if "stock" in name else "-"
+        colour = "grey" if name == "fairseq greedy" else next(colours)
         ax.plot(*zip(*points), style, color=colour, marker="o", markersize=4, label=name)
     batches = sorted({row["batch_size"] for row in result["rows"]})
     ax.set_xscale("log", base=2)
@@ -90,7 +96,7 @@ def speed_by_batch(result: dict, out: Path) -> Path:
     blocks = {row["block"] for row in result["rows"] if "block" in row}
     k = f", k = {blocks.pop()}" if len(blocks) == 1 else ""
     ax.set_title(f"Lossless decoding{k}, {result['lines']} lines, {machine(result)}", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     return save(fig, out / "speed-by-batch.png")
 
 
@@ -151,7 +157,7 @@ def main():
     parser.add_argument("--results", type=Path, default=ROOT / "results",
                         help="folder of JSON results")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "plots", help="folder for the PNG files")
-    parser.add_argument("--speed", default="draft-batch.json:ceiling-k3",
+    parser.add_argument("--speed", default="scripted-layers.json",
                         help="the ceiling result drawn by batch size: FILE[:KEY] "
                         "(default: %(default)s)")  # fmt: skip
     args = parser.parse_args()
