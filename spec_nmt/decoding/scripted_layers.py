@@ -217,8 +217,9 @@ def _layers_supported(layers: List[nn.Module], final_norm: Optional[nn.Module]) 
     first = layers[0]
     shape = (first.self_attn.num_heads, first.self_attn.scaling)
     for layer in layers:
-        attentions = [layer.self_attn] + [getattr(layer, "encoder_attn", None)] * hasattr(
-            layer, "encoder_attn")
+        attentions = [layer.self_attn]
+        if hasattr(layer, "encoder_attn"):  # a decoder layer's: None without encoder attention
+            attentions.append(layer.encoder_attn)
         if (layer.activation_fn not in ACTIVATIONS
                 or layer.normalize_before != first.normalize_before
                 or any(type(linear) is not nn.Linear for part in _products(layer)
