@@ -170,7 +170,8 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                      help="how the decoder layers run, each timed in turn: modules (the stock "
                      "fairseq modules), eager (one function of plain tensor operations), "
                      "scripted (that function in TorchScript: the default), compiled (that "
-                     "function by torch.compile); the first is the reference")
+                     "function by torch.compile); the first is the reference. On a GPU every "
+                     "engine runs the modules: decoding scripts the layers on the CPU only")
     sub = mode("acceptance", acceptance, "where draft chains break: acceptance by position",
                batches=True)
     reference_rule(sub, "the drafts")

@@ -109,10 +109,11 @@ class BlockScorer:
 
     def encode(self, net_input: Dict[str, Tensor]) -> Dict:
         """The encoder output for the batch (fairseq's ``encoder_out`` dict): its layers run by
-        ``scripted_layers`` where the encoder is a stock Transformer one, in evaluation without
-        gradient; else fairseq's own forward."""
+        ``scripted_layers`` where the encoder is a stock Transformer one, on the CPU in
+        evaluation without gradient; else fairseq's own forward."""
         encoder = self.model.encoder
-        if not self._encoder_supported or encoder.training or torch.is_grad_enabled():
+        if (not self._encoder_supported or encoder.training or torch.is_grad_enabled()
+                or net_input["src_tokens"].device.type != "cpu"):  # as in score_logits
             return encoder.forward_torchscript(net_input)
         self._scripted_encoder = _current(self._scripted_encoder, encoder.layers, self.project)
         return block_forward.encode(encoder, net_input["src_tokens"], self._scripted_encoder)
@@ -172,7 +173,9 @@ class BlockScorer:
         if not uniform:
             slots = first_slot.unsqueeze(1) + torch.arange(width, device=device)  # [B, W]
 
-        scripted = self._scripted_layers()
+        # on the CPU only, where the scripted layers were measured and tested: a GPU keeps the
+        # modules (TorchScript's GPU fusers may round fp16 otherwise)
+        scripted = self._scripted_layers() if device.type == "cpu" else None
         if scripted is not None:
             x = self.layers_function(
                 x.transpose(0, 1), scripted.layers, scripted.packed(x.size(0) * x.size(1)),
