@@ -81,6 +81,18 @@ def _split_heads(x: Tensor, heads: int) -> Tensor:
     return x.view(x.size(0), x.size(1), heads, -1).transpose(1, 2)
 
 
+def _feed_forward(x: Tensor, p: List[Tensor], k: List[Optional[Tensor]], block: int, eps: float,
+                  normalize_before: bool, gelu: bool) -> Tensor:  # fmt: skip
+    """A layer's feed-forward sub-block with its residual and norm: sub-block ``block`` of the
+    layer's tensors (its norm, fc1 and fc2: ``p[6 * block:]``, packed ``k[2 * block:]``)."""
+    n, channels = 6 * block, x.size(-1)
+    h = F.layer_norm(x, [channels], p[n], p[n + 1], eps) if normalize_before else x
+    h = _linear(h, p[n + 2], p[n + 3], k[2 * block])
+    h = F.gelu(h.float()).type_as(h) if gelu else F.relu(h)
+    x = x + _linear(h, p[n + 4], p[n + 5], k[2 * block + 1])
+    return x if normalize_before else F.layer_norm(x, [channels], p[n], p[n + 1], eps)
+
+
 def decoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Optional[Tensor]]],
                    keys: List[Tensor], values: List[Tensor], first_slot: int,
                    slots: Optional[Tensor], span: int, bias: Tensor, encoder_keys: List[Tensor],
@@ -121,17 +133,8 @@ def decoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Opti
         if not normalize_before:
             x = F.layer_norm(x, [channels], p[6], p[7], eps)
 
-        residual = x
-        h = F.layer_norm(x, [channels], p[12], p[13], eps) if normalize_before else x
-        h = _activation(_linear(h, p[14], p[15], k[4]), gelu)
-        x = residual + _linear(h, p[16], p[17], k[5])
-        if not normalize_before:
-            x = F.layer_norm(x, [channels], p[12], p[13], eps)
+        x = _feed_forward(x, p, k, 2, eps, normalize_before, gelu)
     return x
-
-
-def _activation(x: Tensor, gelu: bool) -> Tensor:
-    return F.gelu(x.float()).type_as(x) if gelu else F.relu(x)
 
 
 def encoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Optional[Tensor]]],
@@ -165,12 +168,7 @@ def encoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Opti
         if not normalize_before:
             x = F.layer_norm(x, [channels], p[0], p[1], eps)
 
-        residual = x
-        h = F.layer_norm(x, [channels], p[6], p[7], eps) if normalize_before else x
-        h = _activation(_linear(h, p[8], p[9], k[2]), gelu)
-        x = residual + _linear(h, p[10], p[11], k[3])
-        if not normalize_before:
-            x = F.layer_norm(x, [channels], p[6], p[7], eps)
+        x = _feed_forward(x, p, k, 1, eps, normalize_before, gelu)
     return x
 
 
