@@ -9,7 +9,13 @@ logging.disable(max(_disabled, logging.INFO))
 try:
     # checkpoint_loading comes first: it lets torch >= 2.6 load fairseq checkpoints.
     # The other imports register the task, model and criterion with fairseq.
-    from spec_nmt import checkpoint_loading, criterions, drafters, task  # noqa: F401
+    from spec_nmt import (  # noqa: F401
+        checkpoint_loading,
+        criterions,
+        drafters,
+        frozen_encoder_task,
+        task,
+    )
     from spec_nmt.errors import install_error_hook
 finally:
     logging.disable(_disabled)

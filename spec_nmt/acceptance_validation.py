@@ -10,9 +10,7 @@ from typing import Dict, Optional
 from fairseq import metrics
 from fairseq.logging.meters import safe_round
 
-from spec_nmt.drafters.spec_drafter import SpecDrafterModel
-from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import check_pair, drafter_adapter, load_beside, read_checkpoint
+from spec_nmt.loading import drafter_adapter, load_paired_verifier
 from spec_nmt.settings import DEFAULTS, DecodingSettings
 
 logger = logging.getLogger(__name__)
@@ -71,14 +69,7 @@ class AcceptanceValidation:
     def _verifier(self, drafter_model):
         if self._verifier_model is None:
             flag, path = "--eval-acceptance-verifier", self.task.cfg.eval_acceptance_verifier
-            verifier = load_beside(self.task, path, read_checkpoint(flag, path), drafter_model)
-            if isinstance(verifier, SpecDrafterModel):
-                raise SpecNmtError(
-                    f"{flag} {path} is a drafter; give the verifier (a Transformer trained "
-                    "with --task translation)"
-                )
-            check_pair(drafter_model, verifier)
-            self._verifier_model = verifier
+            self._verifier_model = load_paired_verifier(self.task, flag, path, drafter_model)
             rules = " and ".join(
                 f"{name} (beta {s.beta}, tau {s.tau:g})"
                 for name, s in self.settings().items()

@@ -95,6 +95,20 @@ def refuse_the_verifier_as_drafter(drafter_model, verifier_model, path: str) -> 
         )
 
 
+def load_paired_verifier(task, flag: str, path: str, drafter_model):
+    """The verifier checkpoint ``path`` (given as ``flag``) that ``drafter_model`` is trained or
+    measured with, beside it on its device and dtype, in eval mode; refused when it is a drafter
+    or not the verifier the drafter was trained with."""
+    verifier = load_beside(task, path, read_checkpoint(flag, path), drafter_model)
+    if isinstance(verifier, SpecDrafterModel):
+        raise SpecNmtError(
+            f"{flag} {path} is a drafter; give the verifier (a Transformer trained with "
+            "--task translation)"
+        )
+    check_pair(drafter_model, verifier)
+    return verifier
+
+
 def check_pair(drafter_model, verifier_model) -> None:
     """Refuse a verifier that is not the one the drafter was trained with, where the drafter
     can tell (a cached drafter holds a copy of its verifier's encoder)."""
