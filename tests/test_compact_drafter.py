@@ -2,6 +2,7 @@
 loads with the copy rebuilt from the verifier: it translates exactly like the full checkpoint,
 and a verifier whose encoder differs is refused with one line."""
 
+import re
 import shutil
 
 import pytest
@@ -17,7 +18,7 @@ from spec_nmt.compact_drafter import (
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY
 from spec_nmt.translator import SpecTranslator
-from tests.conftest import BUNDLED_MODEL_DIR, REPO, script_module
+from tests.conftest import BUNDLED_MODEL_DIR, REPO, script_module, train_drafter
 
 LINES = (REPO / "data" / "examples.de").read_text(encoding="utf-8").splitlines()
 
@@ -81,3 +82,39 @@ def test_exporting_against_another_verifier_is_refused(drafters):
     verifier["encoder.layer_norm.bias"] = verifier["encoder.layer_norm.bias"] + 0.01
     with pytest.raises(SpecNmtError, match="encoder.layer_norm.bias is not the verifier's"):
         without_verifier_copies(drafter, verifier, "drafter.pt")
+
+
+def valid_losses(log):
+    return [float(x) for x in re.findall(r"\| valid on 'valid' subset \| loss ([0-9.]+)", log)]
+
+
+def test_an_unpacked_drafter_trains_on_from_where_it_was(toy, tmp_path):
+    """scripts/unpack_drafter.py: a compact export made trainable again. Fine-tuned from it with
+    a vanishing learning rate, the drafter validates as the full checkpoint it came from did."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(toy["verifier"], model_dir / "verifier.pt")
+    for dictionary in toy["bin"].glob("dict.*.txt"):
+        shutil.copy(dictionary, model_dir)
+    export_model = script_module("export_model")
+    export_model.compact_checkpoint(toy["cached_drafter"], model_dir / "drafter.pt",
+                                    verifier=model_dir / "verifier.pt")  # fmt: skip
+    unpack_drafter = script_module("unpack_drafter")
+    state = unpack_drafter.unpacked(model_dir, model_dir / "verifier.pt")
+    full = checkpoint_utils.load_checkpoint_to_cpu(str(toy["cached_drafter"]))["model"]
+    assert state["model"].keys() == full.keys()
+    for name, tensor in full.items():
+        assert state["model"][name].dtype == tensor.dtype
+        torch.testing.assert_close(state["model"][name], tensor.half().to(tensor.dtype))
+    assert VERIFIER_COPIES_KEY not in state and DRAFT_VOCABULARY_KEY not in state
+    save_checkpoint(state, tmp_path / "unpacked.pt")
+
+    result = train_drafter(
+        toy["bin"], tmp_path / "fine-tuned", 1, "--arch", "cached_drafter",
+        "--cuts-per-sentence", 3, "--init-from-verifier", toy["verifier"],
+        "--finetune-from-model", tmp_path / "unpacked.pt", "--lr", 1e-9, "--warmup-updates", 1,
+    )  # fmt: skip
+    fine_tuned = valid_losses(result.stdout + result.stderr)
+    trained = valid_losses(toy["cached_drafter_log"])
+    assert fine_tuned and trained
+    assert abs(fine_tuned[-1] - trained[-1]) < 0.02, (fine_tuned, trained)
