@@ -1,6 +1,8 @@
 """The drafter's soft targets (``--teacher-verifier``): the verifier's distribution read for each
 label, the mixed loss, and fairseq-train with it end to end."""
 
+import re
+
 import pytest
 import torch
 from fairseq import checkpoint_utils
@@ -105,17 +107,21 @@ def test_training_with_a_teacher_logs_kl_and_the_teacher_is_no_parameter(toy, tm
 
 
 @pytest.mark.parametrize(
-    "flags, message",
-    [(["--soft-target-weight", 1.5], "--soft-target-weight must be in [0, 1], got 1.5"),
-     (["--teacher-verifier", "missing.pt"], "--teacher-verifier missing.pt: no such file"),
-     (["--teacher-verifier", "DRAFTER"], "is a drafter; give the verifier")],
+    "options, message",
+    [({"soft_target_weight": 1.5}, "--soft-target-weight must be in [0, 1], got 1.5"),
+     ({"teacher_verifier": "missing.pt"}, "--teacher-verifier missing.pt: no such file")],
 )  # fmt: skip
-def test_bad_teachers_are_refused_in_one_line(toy, tmp_path, flags, message):
-    flags = [str(toy["drafter"]) if flag == "DRAFTER" else flag for flag in flags]
-    result = train_drafter(toy["bin"], tmp_path / "d", 1, *flags, check=False)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
-    assert errors and message in errors[0], result.stderr[-2000:]
+def test_bad_soft_target_options_are_refused_before_training(toy, options, message):
+    task = cached_drafter_batch(toy, sentences=1)[0]
+    with pytest.raises(SpecNmtError, match=re.escape(message)):
+        SpecDrafterLoss(task, 0.1, BLOCK_SIZE, **options)
+
+
+def test_a_drafter_as_teacher_is_refused(toy):
+    task, drafter, _, batch = cached_drafter_batch(toy, sentences=2)
+    criterion = SpecDrafterLoss(task, 0.1, BLOCK_SIZE, teacher_verifier=str(toy["drafter"]))
+    with pytest.raises(SpecNmtError, match="is a drafter; give the verifier"):
+        criterion(drafter, batch)
 
 
 def test_a_teacher_the_cached_drafter_was_not_trained_with_is_refused(toy):
