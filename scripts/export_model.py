@@ -114,6 +114,10 @@ def compact_checkpoint(src: Path, dst: Path, vocabulary: Optional[torch.Tensor] 
     cfg.task.data = "."  # the model directory itself holds the dictionaries
     cfg.common.user_dir = None
     cfg.checkpoint.save_dir = "."
+    if cfg.task._name == "translation_frozen_encoder":  # a way of training a stock model
+        cfg.task._name = "translation"  # which plain fairseq and converters then load
+        if getattr(cfg.model, "task", None):  # (fairseq's legacy namespace repeats it)
+            cfg.model.task = "translation"
     if getattr(cfg.model, "init_from_verifier", None):
         cfg.model.init_from_verifier = None
     if getattr(cfg.task, "eval_acceptance_verifier", None):  # a training-time path

@@ -4,7 +4,14 @@ so the cached drafter trained on it, stay valid."""
 import torch
 from fairseq import checkpoint_utils
 
-from tests.conftest import OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, train_losses
+from tests.conftest import (
+    OPTIMIZATION,
+    TINY_TRANSFORMER,
+    USER_DIR,
+    fairseq,
+    script_module,
+    train_losses,
+)
 
 
 def test_the_decoder_trains_and_the_cached_drafter_still_pairs_with_it(toy, tmp_path):
@@ -32,3 +39,10 @@ def test_the_decoder_trains_and_the_cached_drafter_still_pairs_with_it(toy, tmp_
         [str(tmp_path / "checkpoint_last.pt")], task=task
     )[0][0]
     drafter.check_verifier_matches(fine_tuned)  # raises if the encoder moved
+
+    # exported, it is a stock checkpoint: plain fairseq and converters know no such task
+    exported = tmp_path / "verifier.pt"
+    script_module("export_model").compact_checkpoint(tmp_path / "checkpoint_last.pt", exported)
+    cfg = checkpoint_utils.load_checkpoint_to_cpu(str(exported))["cfg"]
+    assert cfg["task"]["_name"] == "translation"
+    assert getattr(cfg["model"], "task", "translation") == "translation"
