@@ -36,7 +36,13 @@ def unpacked(model_dir: Path, verifier_path: Path, source_lang="de", target_lang
         arg_overrides={"data": str(model_dir), "source_lang": source_lang,
                        "target_lang": target_lang},  # fmt: skip
     )
-    state = with_verifier_copies(state, verifier, str(drafter_path))
+    try:
+        state = with_verifier_copies(state, verifier, str(drafter_path))
+    except SpecNmtError as error:
+        raise SpecNmtError(
+            f"{drafter_path} was trained on another verifier's encoder than {verifier_path}'s: "
+            "give the verifier it was exported with (--verifier)"
+        ) from error
     weights = {
         name: tensor.float() if tensor.is_floating_point() else tensor
         for name, tensor in state["model"].items()

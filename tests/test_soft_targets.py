@@ -50,13 +50,18 @@ def test_each_label_gets_the_verifiers_distribution_after_its_own_prefix(toy):
         for j in range(BLOCK_SIZE):
             if not is_label[row, j]:
                 continue
-            prefix = batch["shifted_target"][sentence : sentence + 1, : cut + j + 1]
+            eos = task.target_dictionary.eos()
+            prefix = torch.tensor([[eos] + sample["target"][sentence, : cut + j].tolist()])
             with torch.no_grad():
                 out = verifier(src_tokens, src_lengths, prefix)
             expected.append(verifier.get_normalized_probs(out, log_probs=True)[0, -1])
             # the label itself is the next target token after that prefix
             assert batch["target"][row, j] == sample["target"][sentence, cut + j]
     torch.testing.assert_close(teacher, torch.stack(expected), atol=1e-4, rtol=1e-4)
+    # the teacher is none of the criterion's parameters, and stays in eval mode
+    assert list(criterion.parameters()) == []
+    criterion.train()
+    assert not criterion._teacher.training
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.3, 1.0])
@@ -104,6 +109,7 @@ def test_training_with_a_teacher_logs_kl_and_the_teacher_is_no_parameter(toy, tm
     state = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "d" / "checkpoint_last.pt"))
     assert state["cfg"]["criterion"]["soft_target_weight"] == 0.7
     assert not any(name.startswith("_teacher") for name in state["model"])
+    assert not state.get("criterion")  # where a registered teacher would have been saved
 
 
 @pytest.mark.parametrize(
