@@ -65,7 +65,7 @@ class SpecDrafterLoss(FairseqCriterion):
         self.eps = label_smoothing
         self.report_first_n = report_first_n
         self.teacher_path = teacher_verifier
-        self.soft_weight = soft_target_weight if teacher_verifier else 0.0
+        self.soft_weight = soft_target_weight
         self._teacher = None  # loaded beside the drafter at the first batch
 
     def forward(self, model, sample, reduce=True):
@@ -114,13 +114,16 @@ class SpecDrafterLoss(FairseqCriterion):
             object.__setattr__(self, "_teacher", teacher)
         net_input = sample["net_input"]
         cuts, shifted = sample["cuts"], sample["shifted_target"]
-        with torch.no_grad():
-            out = self._teacher(net_input["src_tokens"], net_input["src_lengths"], shifted)
-            teacher = self._teacher.get_normalized_probs(out, log_probs=True).float()
         rows, k = is_label.shape
         sentence = torch.arange(rows, device=cuts.device) // (rows // shifted.size(0))
         position = cuts.unsqueeze(1) + torch.arange(k, device=cuts.device)
-        return teacher[sentence.unsqueeze(1).expand(-1, k)[is_label], position[is_label]]
+        with torch.no_grad():
+            features, _ = self._teacher(net_input["src_tokens"], net_input["src_lengths"],
+                                        shifted, features_only=True)  # fmt: skip
+            # only the labelled positions go through the output layer
+            features = features[sentence.unsqueeze(1).expand(-1, k)[is_label], position[is_label]]
+            logits = self._teacher.decoder.output_layer(features)
+            return self._teacher.get_normalized_probs((logits, None), log_probs=True).float()
 
     def teacher_divergence(self, model, sample, is_label, lprobs):
         """KL(teacher || drafter) of each label [n]. The teacher predicts the data's
