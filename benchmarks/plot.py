@@ -62,6 +62,9 @@ def load(spec: str, results: Path) -> dict:
 def label(system: str) -> str:
     if system.startswith(CTRANSLATE2):
         return "CTranslate2 " + system.rsplit(" ", 1)[-1]  # "… greedy int8" -> "CTranslate2 int8"
+    drafting, _, block = system.partition(" k=")  # --lossless-blocks rows: "… real drafter k=2"
+    if block and drafting in SYSTEM_LABELS:
+        return f"{SYSTEM_LABELS[drafting]}, k = {block}"
     return SYSTEM_LABELS.get(system, system)
 
 
@@ -79,8 +82,8 @@ def speed_by_batch(result: dict, out: Path) -> Path:
         series.setdefault(label(row["system"]), []).append(point)
     order = [*SYSTEM_LABELS.values(), "CTranslate2 float32", "CTranslate2 int8"]
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
-    # tab10 without its grey, which marks fairseq greedy
-    colours = iter([plt.cm.tab10(i) for i in range(10) if i != 7])
+    # tab20 without its greys, which mark fairseq greedy: a colour for each of 18 systems
+    colours = iter([plt.cm.tab20(i) for i in range(20) if i not in (14, 15)])
     for name in sorted(series, key=lambda n: order.index(n) if n in order else len(order)):
         points = sorted(series[name])
         style = "--" if name.startswith(CTRANSLATE2) else ":" if "stock" in name else "-"

@@ -9,7 +9,7 @@ with --task translation_frozen_encoder has the same encoder) and writes the weig
 without the draft vocabulary, so the drafter can be trained further:
 
     scripts/train_drafter.sh DISTILLED_BIN SAVE_DIR cached_small --init-from-verifier V.pt \
-        --finetune-from-model OUT.pt [--teacher-verifier V.pt] ...
+        --finetune-from-model OUT.pt ...
 """
 
 import argparse
