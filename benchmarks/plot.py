@@ -2,15 +2,15 @@
 """Draw the figures of BENCHMARKS.md from the JSON results of benchmarks/benchmark.py.
 
     python benchmarks/plot.py [--results benchmarks/results] [--out benchmarks/plots]
-        [--speed scripted-layers.json]
+        [--speed bench-de-en-v2-speed.json] [--acceptance FILE ...]
 
 Writes, under --out:
 - speed-by-batch.png: × fairseq greedy against batch size, one line per system, from a
   `benchmark.py ceiling` result (--speed FILE[:KEY]; KEY picks one run in a file that holds
   several, as draft-batch.json does).
-- acceptance-by-position.png: acceptance by draft position, one line per system, from every
-  result under --results whose rows carry a list under one of POSITION_KEYS (entry i: draft
-  position i + 1). Skipped, with a note, while no result has one.
+- acceptance-by-position.png: acceptance by draft position, one line per system, from the
+  --acceptance files, or from every result under --results, whose rows carry a list under one of
+  POSITION_KEYS (entry i: draft position i + 1). Skipped, with a note, while no result has one.
 
 Needs matplotlib (requirements-test.txt). Only reads the JSON files; never runs a model.
 """
@@ -38,6 +38,8 @@ SYSTEM_LABELS = {
     "spec-nmt defaults, stock modules": "defaults, stock decoder modules",
     "spec-nmt defaults, stock decoder modules": "defaults, stock decoder modules",
 }
+# the systems that draft --block masks (the mode's k): their label gets it
+BLOCK_SYSTEMS = ("spec lossless, oracle drafter", "spec lossless, real drafter")
 CTRANSLATE2 = "CTranslate2"
 # row keys that hold acceptance by draft position (a list, position 1 first)
 POSITION_KEYS = ("acceptance_by_position", "accepted_by_position")
@@ -79,12 +81,19 @@ def speed_by_batch(result: dict, out: Path) -> Path:
     series = {}
     for row in result["rows"]:
         point = (row["batch_size"], row["speedup_vs_greedy"])
-        series.setdefault(label(row["system"]), []).append(point)
+        name = label(row["system"])
+        if row["system"] in BLOCK_SYSTEMS:  # the others name their k, or draft none
+            name += f", k = {row['block']}"
+        series.setdefault(name, []).append(point)
     order = [*SYSTEM_LABELS.values(), "CTranslate2 float32", "CTranslate2 int8"]
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     # tab20 without its greys, which mark fairseq greedy: a colour for each of 18 systems
     colours = iter([plt.cm.tab20(i) for i in range(20) if i not in (14, 15)])
-    for name in sorted(series, key=lambda n: order.index(n) if n in order else len(order)):
+    def rank(name):
+        base = name.split(", k = ")[0]
+        return order.index(base) if base in order else len(order)
+
+    for name in sorted(series, key=rank):
         points = sorted(series[name])
         style = "--" if name.startswith(CTRANSLATE2) else ":" if "stock" in name else "-"
         colour = "grey" if name == "fairseq greedy" else next(colours)
@@ -96,9 +105,7 @@ def speed_by_batch(result: dict, out: Path) -> Path:
     ax.set_ylabel("× fairseq greedy (higher is faster)")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    blocks = {row["block"] for row in result["rows"] if "block" in row}
-    k = f", k = {blocks.pop()}" if len(blocks) == 1 else ""
-    ax.set_title(f"Lossless decoding{k}, {result['lines']} lines, {machine(result)}", fontsize=10)
+    ax.set_title(f"Lossless decoding, {result['lines']} lines, {machine(result)}", fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     return save(fig, out / "speed-by-batch.png")
 
@@ -112,22 +119,26 @@ def runs(data):
             yield from runs(value)
 
 
-def position_rows(results: Path):
-    """(system, [acceptance at position 1, 2, …], result) for every row that has them."""
-    for path in sorted(results.glob("*.json")):
+def position_rows(results: Path, names=()):
+    """(system, [acceptance at position 1, 2, …], result) for every row that has them, in the
+    files ``names`` under ``results`` (default: every JSON file there)."""
+    paths = [results / name for name in names] if names else sorted(results.glob("*.json"))
+    for path in paths:
         for result in runs(json.loads(path.read_text())):
             for row in result["rows"]:
                 for key in POSITION_KEYS:
                     if isinstance(row.get(key), list):
                         values = row[key]
-                        judged = row.get("judged")
+                        # benchmark.py acceptance keeps the counts with its groups
+                        judged = row.get("judged") or row.get("groups", {}).get("all", {}).get(
+                            "judged")
                         if judged:  # positions judged too rarely to give a rate are left out
                             values = values[: sum(1 for n in judged if n >= MIN_JUDGED)]
                         yield f"{row.get('system', path.stem)} ({path.stem})", values, result
 
 
-def acceptance_by_position(results: Path, out: Path):
-    rows = list(position_rows(results))
+def acceptance_by_position(results: Path, out: Path, names=()):
+    rows = list(position_rows(results, names))
     if not rows:
         print(f"plot.py: no result under {results} has {' or '.join(POSITION_KEYS)}; "
               "acceptance-by-position.png not drawn", file=sys.stderr)  # fmt: skip
@@ -142,7 +153,8 @@ def acceptance_by_position(results: Path, out: Path):
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.set_title(f"Acceptance by draft position, {machine(rows[0][2])}", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
+    # one column: the labels carry their file names
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
     return save(fig, out / "acceptance-by-position.png")
 
 
@@ -160,13 +172,16 @@ def main():
     parser.add_argument("--results", type=Path, default=ROOT / "results",
                         help="folder of JSON results")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "plots", help="folder for the PNG files")
-    parser.add_argument("--speed", default="scripted-layers.json",
+    parser.add_argument("--speed", default="bench-de-en-v2-speed.json",
                         help="the ceiling result drawn by batch size: FILE[:KEY] "
                         "(default: %(default)s)")  # fmt: skip
+    parser.add_argument("--acceptance", nargs="+", default=[], metavar="FILE",
+                        help="the results drawn by draft position (default: every result "
+                        "under --results that has acceptance by position)")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     written = [speed_by_batch(load(args.speed, args.results), args.out),
-               acceptance_by_position(args.results, args.out)]  # fmt: skip
+               acceptance_by_position(args.results, args.out, args.acceptance)]  # fmt: skip
     for path in filter(None, written):
         print(f"{path} ({path.stat().st_size // 1024} KB)")
 

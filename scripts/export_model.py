@@ -47,10 +47,10 @@ from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY, is_nar_drafter
 from spec_nmt.translator import SpecTranslator
 
-# Symbols a drafter drafts over by default: with the 4,000 most frequent target symbols of
-# bench-de-en's training set (of 8,008) the bundled cached drafter keeps 99.5 % of its accepted
-# drafts on newstest2013 and drafts for 10 % less time at batch 1 (a third less before the
-# packed products; BENCHMARKS.md, "Prepacked fp32 products and the draft vocabulary").
+# Symbols a drafter drafts over by default: the 4,000 most frequent target symbols of
+# bench-de-en's training set (of 8,008) held 99.5 % of the first bundled cached drafter's
+# accepted drafts on newstest2013, for half of its output projection's rows
+# (BENCHMARKS.md, "By draft vocabulary").
 DEFAULT_DRAFT_VOCAB_SIZE = 4000
 # sentences counted per bincount
 COUNTING_CHUNK = 10000

@@ -4,7 +4,7 @@
 # small: 6 encoder / 4 decoder layers, d=256 (what trains on a few CPU cores),
 #        pre-norm: on bench-de-en (newstest2013) it reached validation loss 7.09 and greedy BLEU 4.1
 #        at update 1306, where the earlier post-norm recipe (lr 1e-3, 500 warm-up updates: the
-#        shared warm start, the bundled verifier) had 7.73, and 7.10 / BLEU 1.2 only at 4500.
+#        shared warm start) had 7.73, and 7.10 / BLEU 1.2 only at 4500.
 # base:  transformer base (Vaswani et al., 2017) on WMT14 de-en, fp16, 8x4096 tokens x update-freq 4.
 source "$(dirname "$0")/train_common.sh"
 case "$SIZE" in

@@ -236,8 +236,7 @@ def flag_help(name: str, with_default: bool = True) -> str:
 
 # The default largest drafting batch of the rules whose translations the drafts cannot change:
 # the bundled pair's drafts about pay for themselves for one sentence and lose from two on
-# (newstest2013, lossless k = 3 against no drafts, x fairseq greedy: 1.71 / 1.65 at batch 1,
-# 1.64 / 1.84 at 2, 1.20 / 2.02 at 32; BENCHMARKS.md, "Drafting only where it pays").
+# (BENCHMARKS.md, "Speed by batch size").
 DEFAULT_DRAFT_BATCH = 1
 DEFAULTS = DecodingSettings()
 # The relaxed top-beta/tau rule (beta, tau) that the acceptance targets quote: drafters are

@@ -28,3 +28,19 @@ def test_figures_from_a_ceiling_and_an_acceptance_result(tmp_path):
     assert speed.stat().st_size > 1000 and by_position.stat().st_size > 1000
     (name, values, _), = plot.position_rows(results)
     assert name == "drafter (acceptance)" and values == [0.6, 0.5]
+
+
+def test_acceptance_counts_kept_with_the_groups_and_files_chosen_by_name(tmp_path):
+    """benchmark.py acceptance keeps its judged counts under groups["all"]; --acceptance picks
+    the files drawn."""
+    for stem, rate in (("first", 0.6), ("second", 0.7)):
+        result = {"environment": {"cpu": "Test CPU"}, "rows": [
+            {"system": "drafter, lossless", "acceptance_by_position": [rate, 0.5, 1.0],
+             "groups": {"all": {"acceptance_by_position": [rate, 0.5, 1.0],
+                                "judged": [100, 40, 2]}}},
+        ]}  # fmt: skip
+        (tmp_path / f"{stem}.json").write_text(json.dumps(result))
+    rows = list(plot.position_rows(tmp_path, ["second.json"]))
+    assert [(name, values) for name, values, _ in rows] == [
+        ("drafter, lossless (second)", [0.7, 0.5])]  # fmt: skip
+    assert len(list(plot.position_rows(tmp_path))) == 2
