@@ -38,7 +38,7 @@ SYSTEM_LABELS = {
     "spec-nmt defaults, stock modules": "defaults, stock decoder modules",
     "spec-nmt defaults, stock decoder modules": "defaults, stock decoder modules",
 }
-# the systems that draft --block masks (the mode's k): their label gets it
+# the systems that draft the mode's --block masks: their label gets that k
 BLOCK_SYSTEMS = ("spec lossless, oracle drafter", "spec lossless, real drafter")
 CTRANSLATE2 = "CTranslate2"
 # row keys that hold acceptance by draft position (a list, position 1 first)
@@ -64,10 +64,17 @@ def load(spec: str, results: Path) -> dict:
 def label(system: str) -> str:
     if system.startswith(CTRANSLATE2):
         return "CTranslate2 " + system.rsplit(" ", 1)[-1]  # "… greedy int8" -> "CTranslate2 int8"
-    drafting, _, block = system.partition(" k=")  # --lossless-blocks rows: "… real drafter k=2"
-    if block and drafting in SYSTEM_LABELS:
-        return f"{SYSTEM_LABELS[drafting]}, k = {block}"
     return SYSTEM_LABELS.get(system, system)
+
+
+def row_label(row: dict):
+    """(the row's label, its system's label without k): a drafting row's label names its k, the
+    --lossless-blocks rows from their name ("… real drafter k=2"), the others from --block."""
+    system, _, block = row["system"].partition(" k=")
+    if not block and system in BLOCK_SYSTEMS:
+        block = row["block"]
+    base = label(system)
+    return (f"{base}, k = {block}" if block else base), base
 
 
 def machine(result: dict) -> str:
@@ -78,20 +85,18 @@ def machine(result: dict) -> str:
 
 def speed_by_batch(result: dict, out: Path) -> Path:
     """× fairseq greedy against batch size, one line per system."""
-    series = {}
+    series, bases = {}, {}
     for row in result["rows"]:
         point = (row["batch_size"], row["speedup_vs_greedy"])
-        name = label(row["system"])
-        if row["system"] in BLOCK_SYSTEMS:  # the others name their k, or draft none
-            name += f", k = {row['block']}"
+        name, base = row_label(row)
         series.setdefault(name, []).append(point)
+        bases[name] = base
     order = [*SYSTEM_LABELS.values(), "CTranslate2 float32", "CTranslate2 int8"]
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
     # tab20 without its greys, which mark fairseq greedy: a colour for each of 18 systems
     colours = iter([plt.cm.tab20(i) for i in range(20) if i not in (14, 15)])
     def rank(name):
-        base = name.split(", k = ")[0]
-        return order.index(base) if base in order else len(order)
+        return order.index(bases[name]) if bases[name] in order else len(order)
 
     for name in sorted(series, key=rank):
         points = sorted(series[name])
