@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 from ceiling import block_cost, ceiling
-from common import beam_shape, comma_list, refined, setting
+from common import beam_shape, comma_list, setting
 from diagnosis import acceptance
 from sampling_speed import sampling, sampling_system
 from speed_quality import run, sweep
@@ -123,11 +123,6 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                          help="also decode with greedy draft trees grown by beam search, "
                          "WIDTHxDEPTH each (e.g. 3x4: --block-size 4 --tree-budget 12)")
 
-    def refinement(sub) -> None:
-        sub.add_argument("--refined", type=comma_list(refined), default=[],
-                         help="also decode lossless chains of K drafts whose N least confident "
-                         "are drafted again (--refine-drafts N), K:N each (e.g. 3:1,10:5)")
-
     sub = mode("sweep", sweep, "choose k, beta and tau on the validation set", ref=True,
                batches=True, latency=True)
     sub.add_argument("--blocks", type=comma_list(int), default=[2, 3, 5, 10], help="block sizes k")
@@ -152,7 +147,6 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
     sub = mode("ceiling", ceiling, "the loop's ceiling, the iteration's cost and CTranslate2")
     reference_rule(sub, "the oracle and the real drafter")
     trees(sub)
-    refinement(sub)
     sub.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32, 64],
                      help="batch sizes to measure")
     sub.add_argument("--beam5", action="store_true", help="add fairseq beam 5")
@@ -181,7 +175,6 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
     sub = mode("acceptance", acceptance, "where draft chains break: acceptance by position",
                batches=True)
     reference_rule(sub, "the drafts")
-    refinement(sub)
 
 
 def main():

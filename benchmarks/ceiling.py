@@ -61,10 +61,6 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
         systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = speculating(
             pair, tree_branching=args.tree_branching
         )
-    for block, n in args.refined:
-        systems[f"spec lossless, real drafter k={block}, {n} refined"] = speculating(
-            pair, block_size=block, refine_drafts=n
-        )
     for width, depth in args.beam_trees:
         systems[f"spec lossless, real drafter, beam tree {width}x{depth}"] = speculating(
             pair, block_size=depth, tree_budget=width * depth

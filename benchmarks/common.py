@@ -309,17 +309,6 @@ def setting(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not K:BETA:TAU (e.g. 10:3:1.0)") from None
 
 
-def refined(text):
-    """K:N (e.g. 10:5) → (k, n): chains of k drafts, the n least confident drafted again."""
-    try:
-        k, n = (int(x) for x in text.split(":"))
-    except ValueError:
-        k, n = 0, -1
-    if not 0 <= n <= k or k < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not K:N with 0 <= N <= K (e.g. 10:5)")
-    return k, n
-
-
 def beam_shape(text):
     """WIDTHxDEPTH (e.g. 3x4, both at least 1) → (width, depth)."""
     try:

@@ -150,9 +150,6 @@ def acceptance(args):
             pair, block_size=args.block, beta=args.beta, tau=args.tau),
         "oracle, lossless": oracle(pair, tokens, greedy_alone(pair, tokens), args.block),
     }  # fmt: skip
-    for block, n in args.refined:
-        systems[f"drafter, lossless, k = {block}, {n} refined"] = speculating(
-            pair, block_size=block, refine_drafts=n)
     source_lengths = [t.numel() - 1 for t in tokens]  # without EOS
     eos = pair.tgt_dict.eos()
     tables = {}

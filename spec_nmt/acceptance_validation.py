@@ -26,11 +26,8 @@ class AcceptanceValidation:
     def settings(self) -> Dict[str, DecodingSettings]:
         """The rules --eval-acceptance-verifier measures, by metric name."""
         # batches of validation sentences: they must draft to measure anything
-        lossless = DEFAULTS.replace(block_size=self.task.cfg.block_size, max_draft_batch=0,
-                                    refine_drafts=self.task.cfg.refine_drafts)  # fmt: skip
+        lossless = DEFAULTS.replace(block_size=self.task.cfg.block_size, max_draft_batch=0)
         settings = {"accepted_lossless": lossless}
-        if lossless.refine_drafts:  # what the second pass adds
-            settings["accepted_one_pass"] = lossless.replace(refine_drafts=0)
         if (self.task.cfg.beta, self.task.cfg.tau) != (lossless.beta, lossless.tau):
             settings["accepted_top_beta"] = lossless.replace(beta=self.task.cfg.beta,
                                                              tau=self.task.cfg.tau)  # fmt: skip
@@ -74,7 +71,7 @@ class AcceptanceValidation:
             flag, path = "--eval-acceptance-verifier", self.task.cfg.eval_acceptance_verifier
             self._verifier_model = load_paired_verifier(self.task, flag, path, drafter_model)
             rules = " and ".join(
-                f"{name} (beta {s.beta}, tau {s.tau:g}, refine {s.refine_drafts})"
+                f"{name} (beta {s.beta}, tau {s.tau:g})"
                 for name, s in self.settings().items()
             )
             sentences = self.task.cfg.eval_acceptance_sentences

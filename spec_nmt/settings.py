@@ -25,8 +25,6 @@ class DraftPlan:
     beam_width: int = 0
     beam_depth: int = 0
     sample: bool = False
-    # a greedy chain's least confident drafts re-predicted by a second drafter pass
-    refine: int = 0
 
     @property
     def depth(self) -> int:
@@ -37,16 +35,15 @@ class DraftPlan:
         return not self.beam_width and all(b == 1 for b in self.branching)
 
     @classmethod
-    def chain(cls, k: int, sample: bool, refine: int = 0) -> "DraftPlan":
-        return cls(branching=(1,) * k, sample=sample, refine=refine)
+    def chain(cls, k: int, sample: bool) -> "DraftPlan":
+        return cls(branching=(1,) * k, sample=sample)
 
     def shrink(self, depth: int) -> "DraftPlan":
         """The same plan at most ``depth`` levels deep (near the position limit)."""
         if self.beam_width:
             return DraftPlan(beam_width=self.beam_width, beam_depth=min(depth, self.beam_depth),
                              sample=self.sample)  # fmt: skip
-        return DraftPlan(branching=self.branching[:depth], sample=self.sample,
-                         refine=min(self.refine, depth))  # fmt: skip
+        return DraftPlan(branching=self.branching[:depth], sample=self.sample)
 
 
 @dataclass(frozen=True)
@@ -81,12 +78,6 @@ class DecodingSettings:
     tree_budget: int = field(default=0, metadata={"help": (
         "a draft tree grown by beam search over the drafter's sequences: nodes per iteration, "
         "block-size levels of tree-budget // block-size nodes (rsd: stochastic, RSD-S; 0: none)")})
-    # mask-predict refinement (CMLM): later masks do not see the drafts before them, so
-    # acceptance decays along the block; a second pass sees the confident drafts
-    refine_drafts: int = field(default=0, metadata={"help": (
-        "greedy chains (top_beta without a tree) of a cached drafter trained with "
-        "--reveal-fraction: a second drafter pass re-predicts this many of the least confident "
-        "drafts, seeing the others (0: one pass)")})
     # the most sentences a batch may have and still draft; a larger batch decodes with the
     # verifier alone on the same loop, since the bundled pair's drafts cost more than they earn
     # in a batch (BENCHMARKS.md). None: 1 for the rules whose translations do not depend on the
@@ -123,13 +114,6 @@ class DecodingSettings:
             )
         check_top_beta_params(self.beta, self.tau)
         self._check_max_draft_batch()
-        if int(self.refine_drafts) != self.refine_drafts or not (
-            0 <= self.refine_drafts <= self.block_size
-        ):
-            raise SpecNmtError(
-                f"--refine-drafts must be an integer from 0 to --block-size ({self.block_size}), "
-                f"got {self.refine_drafts}"
-            )
         check_sampling_params(self.temperature, self.sampling_topk, self.sampling_topp)
         self.draft_plan  # noqa: B018  (refuses tree flags that make no shape)
 
@@ -183,14 +167,8 @@ class DecodingSettings:
                 "--block-size 0 (no drafts) decodes with the verifier alone: it takes no draft "
                 "tree (--verify rsd, --tree-branching, --tree-budget)"
             )
-        if self.refine_drafts and (branches or rule.sampled_drafts):
-            raise SpecNmtError(
-                "--refine-drafts re-predicts a greedy chain's drafts: it needs --verify "
-                "top_beta without --tree-branching or --tree-budget"
-            )
         if not branches:
-            return DraftPlan.chain(self.block_size, sample=rule.sampled_drafts,
-                                   refine=self.refine_drafts)  # fmt: skip
+            return DraftPlan.chain(self.block_size, sample=rule.sampled_drafts)
         if not self.tree_budget:
             shape = self.tree_branching or rule.default_branching
             try:
@@ -266,7 +244,7 @@ DEFAULTS = DecodingSettings()
 REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
 # the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
 RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
-                 "refine_drafts", "max_draft_batch")  # fmt: skip
+                 "max_draft_batch")  # fmt: skip
 GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))
 
 

@@ -56,15 +56,6 @@ class SpecTranslationBaseConfig(TranslationConfig):
             "the encoder runs once per sentence, so extra cuts cost less than extra epochs"
         },
     )
-    reveal_fraction: float = field(
-        default=0.0,
-        metadata={
-            "help": "cached drafter training: in this fraction of the mask blocks a random "
-            "number of positions (0 to n - 1 of n) show their label instead of [MASK] and are not "
-            "scored, as mask-predict trains; such a drafter can re-predict drafts "
-            "(--refine-drafts)"
-        },
-    )
     drafter_path: Optional[str] = field(
         default=None,
         metadata={
@@ -127,8 +118,6 @@ class SpecTranslationTask(TranslationTask):
     def __init__(self, cfg: SpecTranslationConfig, src_dict, tgt_dict):
         if cfg.cuts_per_sentence < 1:
             raise SpecNmtError(f"--cuts-per-sentence must be >= 1, got {cfg.cuts_per_sentence}")
-        if not 0 <= cfg.reveal_fraction <= 1:
-            raise SpecNmtError(f"--reveal-fraction must be in [0, 1], got {cfg.reveal_fraction}")
         if cfg.eval_acceptance_sentences < 0:
             raise SpecNmtError(
                 f"--eval-acceptance-sentences must be >= 0, got {cfg.eval_acceptance_sentences}"
@@ -214,7 +203,7 @@ class SpecTranslationTask(TranslationTask):
         mask = self.drafter_dictionaries()[1].index(MASK_SYMBOL)
         pad, eos = self.target_dictionary.pad(), self.target_dictionary.eos()
         return drafter_sample(sample, model, self.cfg.block_size, self.cfg.cuts_per_sentence,
-                              mask, pad, eos, generator, self.cfg.reveal_fraction)  # fmt: skip
+                              mask, pad, eos, generator)  # fmt: skip
 
     # ----- speculative decoding ---------------------------------------------------------------
     def build_generator(

@@ -101,23 +101,6 @@ def test_greedy_draft_trees_are_identical_to_stock_greedy(toy, stock_greedy, dra
     assert mean_accepted(output) > chain
 
 
-@pytest.mark.parametrize("batch_size", [1, 16])
-def test_refined_drafts_are_identical_to_stock_greedy(toy, stock_greedy, batch_size):
-    """--refine-drafts: a second drafter pass changes the drafts, never the output."""
-    output = generate(toy, batch_size, "cached_drafter", "--refine-drafts", 2)
-    assert hypotheses(output) == stock_greedy[batch_size]
-    assert mean_accepted(output) > LEAST_ACCEPTED
-
-
-def test_refining_a_drafter_that_drafts_in_one_pass_is_refused_in_one_line(toy):
-    result = fairseq("generate", toy["bin"], "--path", toy["verifier"], "--task",
-                     "spec_translation", "--drafter-path", toy["drafter"], "--refine-drafts", 1,
-                     *COMMON, check=False)  # fmt: skip
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
-    assert errors and "--refine-drafts needs a cached drafter" in errors[0], result.stderr[-2000:]
-
-
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 @pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter"])
 def test_drafter_precision_keeps_lossless_decoding_lossless(toy, stock_greedy, drafter, precision):

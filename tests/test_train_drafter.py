@@ -12,7 +12,6 @@ from fairseq.data import Dictionary
 from omegaconf import OmegaConf
 
 from spec_nmt.criterions.spec_drafter_loss import SpecDrafterLoss
-from spec_nmt.drafters import training_batches
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.drafters.verifier_layout import adopt_verifier_layout
 from spec_nmt.errors import SpecNmtError
@@ -20,9 +19,9 @@ from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import BLOCK_SIZE, train_drafter, train_losses
 
 
-def load_toy_drafter(toy, name="drafter"):
+def load_toy_drafter(toy):
     (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [str(toy[name])], arg_overrides={"data": str(toy["bin"])}
+        [str(toy["drafter"])], arg_overrides={"data": str(toy["bin"])}
     )
     return task, drafter.eval()
 
@@ -60,39 +59,6 @@ def test_drafter_batches_are_prefix_plus_masks_with_next_k_labels(cuts_per_sente
     assert cuts_seen == [set(range(6)), set(range(3))]  # every cut point, EOS block included
 
 
-def test_revealed_positions_show_their_label_for_the_mask_and_are_not_scored(toy):
-    """--reveal-fraction: with the same cuts as without it, a block position either keeps its
-    mask and label or shows the label and is not scored; half of the blocks show none, the
-    others 0 .. n-1 of their n labels, so every block keeps one to score."""
-    task, drafter = load_toy_drafter(toy, "cached_drafter")
-    mask = task.drafter_dictionaries()[1].index(MASK_SYMBOL)
-    pad, eos = task.target_dictionary.pad(), task.target_dictionary.eos()
-    k = BLOCK_SIZE
-    target = torch.tensor([[5, 6, 7, 8, 9, 10, 11, eos], [12, 13, eos, pad, pad, pad, pad, pad]])
-    sample = {"id": torch.tensor([0, 1]), "target": target, "net_input": {}}
-    full = []  # revealed positions in the blocks with k labels
-    for seed in range(300):
-        batches = [training_batches.drafter_sample(
-            sample, drafter, k, 2, mask, pad, eos, torch.Generator().manual_seed(seed), fraction)
-            for fraction in (0.0, 0.5)]  # fmt: skip
-        plain, revealed = (batch["net_input"]["prev_output_tokens"] for batch in batches)
-        assert torch.equal(batches[0]["net_input"]["cuts"], batches[1]["net_input"]["cuts"])
-        assert torch.equal(plain[:, : -2 * k], revealed[:, : -2 * k])  # the prefix
-        blocks = revealed[:, -2 * k :].reshape(4, k)
-        labels, scored = batches[0]["target"], batches[1]["target"]
-        shown = blocks.ne(mask)
-        assert torch.equal(blocks[shown], labels[shown])
-        assert bool(scored[shown].eq(pad).all()) and torch.equal(scored[~shown], labels[~shown])
-        assert bool(scored.ne(pad).any(dim=1).all())
-        assert batches[1]["ntokens"] == int(scored.ne(pad).sum())
-        full += [int(shown[row].sum()) for row in range(4) if bool(labels[row].ne(pad).all())]
-    assert len(full) >= 300
-    assert 0.5 < full.count(0) / len(full) < 0.7  # 1/2 + 1/2 * 1/k
-    assert set(full) == set(range(k))
-    with pytest.raises(SpecNmtError, match="--reveal-fraction trains cached drafters"):
-        training_batches.drafter_sample(sample, None, k, 1, mask, pad, eos, None, 0.5)
-
-
 def test_several_cuts_share_one_encoder_pass(toy):
     """Rows for several cuts of one sentence score as if each had its own copy of the source."""
     task, drafter = load_toy_drafter(toy)
@@ -110,11 +76,7 @@ def test_several_cuts_share_one_encoder_pass(toy):
     "flags, message",
     [({"cuts_per_sentence": 0}, "--cuts-per-sentence must be >= 1, got 0"),
      ({"eval_acceptance_sentences": -1}, "--eval-acceptance-sentences must be >= 0, got -1"),
-     ({"eval_acceptance_sentences": 100}, "give that too"),
-     ({"reveal_fraction": 1.5}, r"--reveal-fraction must be in \[0, 1\], got 1.5"),
-     ({"refine_drafts": 4}, r"--refine-drafts must be an integer from 0 to --block-size \(3\)"),
-     ({"refine_drafts": 1, "verify": "sampling"}, "re-predicts a greedy chain's drafts"),
-     ({"refine_drafts": 1, "tree_branching": "2,1"}, "re-predicts a greedy chain's drafts")],
+     ({"eval_acceptance_sentences": 100}, "give that too")],
 )  # fmt: skip
 def test_bad_drafter_training_flags_are_refused_in_one_line(flags, message):
     dictionary = Dictionary()

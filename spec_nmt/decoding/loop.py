@@ -85,11 +85,6 @@ class SpeculativeGenerator:
         self.no_drafter = NoDrafter(verifier.max_positions(), len(tgt_dict))
         self.drafter = drafter if self.plan.depth else self.no_drafter
         self.drafter.check_depth(self.plan.depth)
-        if self.plan.refine and not getattr(self.drafter, "refines", False):
-            raise SpecNmtError(
-                "--refine-drafts needs a cached drafter trained with --reveal-fraction; "
-                f"{type(self.drafter).__name__} drafts in one pass"
-            )
         self.verify = settings.verify
         self._rng: Optional[torch.Generator] = None
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()

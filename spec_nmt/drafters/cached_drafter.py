@@ -11,10 +11,6 @@ Training uses the same pattern: the verifier's encoder is copied into the model 
 ``--cuts-per-sentence`` blocks of k masks trains every cut at once: block m's masks sit at the
 positions after cut c_m and see the prefix entries up to c_m and their own block only.
 
-Mask-predict refinement (Ghazvininejad et al. 2019): with ``--reveal-fraction`` some blocks show
-a random number of their labels in place of masks (unscored), so the drafter learns to
-re-predict masks given drafts beside them; ``--refine-drafts N`` then re-masks the N least
-confident drafts of a chain and runs the block once more (``refined_logits``).
 """
 
 from typing import Dict, Optional, Tuple
@@ -58,24 +54,26 @@ def cut_positions(prefix_width: int, cuts: Tensor, block_size: int) -> Tensor:
 
 class CachedDrafterDecoder(TransformerDecoderBase):
     """A Transformer decoder whose prefix is causal and whose [MASK] blocks see their cut's
-    prefix and each other; it scores only the blocks."""
+    prefix and each other; it scores only the masks."""
 
     def __init__(self, cfg, dictionary, embed_tokens):
         super().__init__(cfg, dictionary, embed_tokens)
         if MASK_SYMBOL not in dictionary.indices:
             raise ValueError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
+        self.mask_idx = dictionary.index(MASK_SYMBOL)
 
-    def forward(self, prev_output_tokens, encoder_out=None, cuts=None, block_size=None,
-                scored=None, **unused):  # fmt: skip
+    def forward(self, prev_output_tokens, encoder_out=None, cuts=None, scored=None, **unused):
         """prev_output_tokens [B, P + M*k]: BOS + target prefix (right-padded), then M blocks of
-        k = ``block_size`` entries, masks or revealed labels (``--reveal-fraction``); cuts
-        [B, M]. Returns (logits [B*M, k, V] at the blocks, extra); with ``scored`` [B*M, k]
-        bool, logits [n, V] of the n block entries it marks only."""
-        if cuts is None or block_size is None:
-            raise ValueError("the cached drafter's decoder needs its blocks' cut points and size")
-        prefix_width = prev_output_tokens.size(1) - cuts.size(1) * block_size
-        if prefix_width < 1:
-            raise ValueError(f"{cuts.size(1)} blocks of {block_size} leave no prefix")
+        k masks; cuts [B, M]. Returns (logits [B*M, k, V] at the masks, extra); with ``scored``
+        [B*M, k] bool, logits [n, V] of the n masks it marks only."""
+        if cuts is None:
+            raise ValueError("the cached drafter's decoder needs the cut points of its mask blocks")
+        blocks = cuts.size(1)
+        masks = int(prev_output_tokens[0].eq(self.mask_idx).sum())
+        if masks == 0 or masks % blocks:
+            raise ValueError(f"{masks} masks per row do not make {blocks} blocks")
+        block_size = masks // blocks
+        prefix_width = prev_output_tokens.size(1) - masks
         positions = cut_positions(prefix_width, cuts, block_size)
         x = block_forward.embed(self, prev_output_tokens, positions)
         bias = block_forward.additive_mask(cut_visibility(prefix_width, cuts, block_size), x.dtype)
@@ -141,15 +139,7 @@ class CachedDrafterModel(SpecDrafterModel):
         blocks = cuts.size(0) // shifted.size(0)
         masks = shifted.new_full((shifted.size(0), blocks * k), mask)
         return {"prev_output_tokens": torch.cat([shifted, masks], dim=1),
-                "cuts": cuts.view(-1, blocks), "block_size": k}  # fmt: skip
-
-    @staticmethod
-    def with_blocks(decoder_input: Dict, block_tokens: Tensor) -> Dict:
-        """``training_input``'s decoder input with its blocks' entries [B * m, k] replaced."""
-        tokens = decoder_input["prev_output_tokens"]
-        width = block_tokens.numel() // tokens.size(0)
-        blocks = block_tokens.reshape(tokens.size(0), width)
-        return dict(decoder_input, prev_output_tokens=torch.cat([tokens[:, :-width], blocks], 1))
+                "cuts": cuts.view(-1, blocks)}  # fmt: skip
 
     def decoding_adapter(self, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
         return CachedDrafter(self, pad, eos, vocabulary)
@@ -166,12 +156,11 @@ class CachedDrafterModel(SpecDrafterModel):
         self.encoder.eval()  # frozen: no dropout, the verifier's output exactly
         return self
 
-    def forward(self, src_tokens, src_lengths, prev_output_tokens, cuts=None, block_size=None,
-                scored=None, **unused):  # fmt: skip
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, cuts=None, scored=None,
+                **unused):  # fmt: skip
         with torch.no_grad():
             encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
-        return self.decoder(prev_output_tokens, encoder_out, cuts=cuts, block_size=block_size,
-                            scored=scored)  # fmt: skip
+        return self.decoder(prev_output_tokens, encoder_out, cuts=cuts, scored=scored)
 
     def check_verifier_matches(self, verifier_model) -> None:
         """Refuse a verifier whose encoder is not the copy this drafter was trained with."""
@@ -262,26 +251,6 @@ class CachedDrafter(NarDrafter):
         logits = self.scorer.score_logits(cache, block, depths, visible, outputs=k)
         self.scorer.commit(cache, None, n_new)
         return self._draft_columns(logits)
-
-    refines = True
-
-    def refined_logits(self, cache: ScorerState, logits: Tensor, n: int) -> Tensor:
-        """Mask-predict's second pass: the ``n`` least confident of the k drafts in ``logits``
-        (after ``position_logits``) become masks again and are re-predicted seeing the prefix
-        and the other drafts; the rest keep their logits."""
-        logprobs = torch.log_softmax(logits, dim=-1)
-        confidence, drafts = logprobs.max(dim=-1)  # [B, k]
-        k = drafts.size(1)
-        again = confidence.topk(n, dim=1, largest=False).indices
-        remasked = torch.zeros_like(drafts, dtype=torch.bool).scatter_(1, again, True)
-        if self.vocabulary is not None:
-            drafts = self.vocabulary[drafts]
-        block = torch.where(remasked, torch.full_like(drafts, self.mask), drafts)
-        depths = torch.arange(k, device=drafts.device)
-        visible = torch.ones(1, k, k, dtype=torch.bool, device=drafts.device)
-        second = self._draft_columns(self.scorer.score_logits(cache, block, depths, visible))
-        self.scorer.commit(cache, None, torch.zeros_like(cache.fed_lengths))
-        return torch.where(remasked.unsqueeze(2), second, logits)
 
     def _visibility_pattern(self, width: int, k: int, device: torch.device) -> Tensor:
         """[1, width + k, width + k]: ``width`` new prefix entries, causal, then k masks that

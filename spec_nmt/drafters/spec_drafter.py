@@ -316,14 +316,8 @@ class NarDrafter:
         logits, _ = self.model.decoder(decoder_input, encoder_out)  # at the masks only
         return self._draft_columns(logits)
 
-    # whether ``refined_logits`` can re-predict drafts (--refine-drafts)
-    refines = False
-
     def check_depth(self, depth: int) -> None:
         """Any depth: one pass fills as many masks."""
-
-    def refined_logits(self, state, logits: Tensor, n: int) -> Tensor:
-        raise NotImplementedError(f"{type(self).__name__} drafts in one pass")
 
     def _draft_columns(self, logits: Tensor) -> Tensor:
         """The columns a draft may take: the vocabulary's, or without a vocabulary the
@@ -347,8 +341,6 @@ class NarDrafter:
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
         depth = plan.depth
         logits = self.position_logits(state, tokens, lengths, depth)
-        if plan.refine:
-            logits = self.refined_logits(state, logits, plan.refine)
         if not plan.sample and plan.beam_width:  # the drafter's most probable sequences
             best_logits, best = logits.topk(plan.beam_width, dim=-1)
             best_logprobs = best_logits - logits.logsumexp(dim=-1, keepdim=True)

@@ -4,11 +4,8 @@ target, and the decoder input the drafter model lays out for its cuts (``trainin
 from typing import Dict, Optional
 
 import torch
-from torch import Tensor
 
-from spec_nmt.drafters.cached_drafter import CachedDrafterModel
 from spec_nmt.drafters.spec_drafter import SpecDrafterModel, fit_width
-from spec_nmt.errors import SpecNmtError
 
 
 def unwrapped(model):
@@ -18,30 +15,13 @@ def unwrapped(model):
     return model
 
 
-def revealed_labels(labels: Tensor, fraction: float, pad: int,
-                    generator: Optional[torch.Generator] = None) -> Tensor:  # fmt: skip
-    """Which labels [R, k] their block shows in place of a mask: in a ``fraction`` of the blocks,
-    a uniform number from 0 to n - 1 of its n labels, at random positions, so one at least
-    stays to score."""
-    rows = labels.size(0)
-    is_label = labels.ne(pad)
-    shown = torch.rand(rows, generator=generator).to(labels.device) < fraction
-    count = (torch.rand(rows, generator=generator).to(labels.device) * is_label.sum(dim=1))
-    count = torch.where(shown, count.long(), 0)
-    order = torch.rand(labels.shape, generator=generator).to(labels.device)
-    rank = order.masked_fill(~is_label, 2.0).argsort(dim=1).argsort(dim=1)  # padding last
-    return rank < count.unsqueeze(1)
-
-
 def drafter_sample(sample: Dict, model, k: int, cuts_per_sentence: int, mask: int, pad: int,
-                   eos: int, generator: Optional[torch.Generator] = None,
-                   reveal_fraction: float = 0.0) -> Dict:  # fmt: skip
+                   eos: int, generator: Optional[torch.Generator] = None) -> Dict:  # fmt: skip
     """Turn a translation batch into a drafter batch for ``model``: cut every target at
     ``cuts_per_sentence`` random points (stratified: the j-th of m cuts falls in the j-th m-th of
     its length); each cut c's labels are y[c:c+k] (EOS included, padding past the end), one row
     per cut, the cuts of a sentence next to each other. ``model`` None (a caller's layout check)
-    cuts as a Spec-Drafter. ``reveal_fraction`` > 0 (cached drafters): ``revealed_labels`` show
-    in place of their masks and are not scored."""
+    cuts as a Spec-Drafter."""
     target = sample["target"]
     m = cuts_per_sentence
     model_class = type(unwrapped(model)) if model is not None else SpecDrafterModel
@@ -58,11 +38,5 @@ def drafter_sample(sample: Dict, model, k: int, cuts_per_sentence: int, mask: in
     labels = fit_width(rows, int(label_index.max()) + 1, pad).gather(1, label_index)
     shifted = torch.cat([target.new_full((target.size(0), 1), eos), target[:, :-1]], dim=1)
     decoder_input = model_class.training_input(shifted, cuts, k, mask, pad)
-    if reveal_fraction:
-        if not issubclass(model_class, CachedDrafterModel):
-            raise SpecNmtError("--reveal-fraction trains cached drafters (--arch cached_drafter_*)")
-        shown = revealed_labels(labels, reveal_fraction, pad, generator)
-        decoder_input = model_class.with_blocks(decoder_input, torch.where(shown, labels, mask))
-        labels = labels.masked_fill(shown, pad)
     net_input = dict(sample["net_input"], **decoder_input)
     return dict(sample, net_input=net_input, target=labels, ntokens=int(labels.ne(pad).sum()))
