@@ -14,6 +14,7 @@ from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.decoding import tree
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.loading import load_drafter
 from spec_nmt.settings import DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq
@@ -83,22 +84,6 @@ def test_no_drafts_is_stock_greedy(toy, stock_greedy, batch_size):
     output = generate(toy, batch_size, "cached_drafter", "--block-size", 0)
     assert hypotheses(output) == stock_greedy[batch_size]
     assert mean_accepted(output) == 0
-
-
-@pytest.mark.parametrize("shape", [("--tree-branching", "3,2,1"),
-                                   ("--block-size", 3, "--tree-budget", 9)])  # fmt: skip
-@pytest.mark.parametrize("batch_size", [1, 16])
-@pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter"])
-def test_greedy_draft_trees_are_identical_to_stock_greedy(toy, stock_greedy, drafter, batch_size,
-                                                          shape):  # fmt: skip
-    """Greedy draft trees with top_beta: each node's children are the drafter's best tokens
-    (--tree-branching) or the sequences a beam search over the drafter keeps (--tree-budget);
-    the verifier scores the tree in one pass and follows its own picks down it; more drafts are
-    accepted than along the chain of the same depth."""
-    chain = mean_accepted(generate(toy, batch_size, drafter, "--block-size", 3))
-    output = generate(toy, batch_size, drafter, *shape)
-    assert hypotheses(output) == stock_greedy[batch_size]
-    assert mean_accepted(output) > chain
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
@@ -228,6 +213,59 @@ def test_oracle_drafter_gets_whole_blocks_accepted(in_process):
             assert hypos[0]["spec_iterations"] == -(-len(expected) // (BLOCK_SIZE + 1))
 
 
+def single_rows(task, sample):
+    """Each sentence of a batch as a batch of its own, without the padding of the others."""
+    net_input = sample["net_input"]
+    for row in range(sample["id"].numel()):
+        one = {"id": sample["id"][row : row + 1],
+               "net_input": {k: v[row : row + 1] for k, v in net_input.items()}}  # fmt: skip
+        src = one["net_input"]["src_tokens"]
+        keep = src.ne(task.source_dictionary.pad()).squeeze(0)
+        one["net_input"]["src_tokens"] = src[:, keep]
+        one["net_input"]["src_lengths"] = keep.sum().view(1)
+        yield one
+
+
+def decode(in_process, generator, batch_size):
+    """{sentence id: output tokens} of the test split in batches of 16 or one by one."""
+    task, models, batches = in_process
+    samples = batches if batch_size == 16 else [one for b in batches for one in single_rows(task, b)]
+    return {int(i): hypos[0]["tokens"].tolist() for sample in samples
+            for i, hypos in zip(sample["id"], generator.generate(models, sample))}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stock_greedy_in_process(in_process):
+    task, models, _ = in_process
+    stock = SequenceGenerator(models, task.target_dictionary, beam_size=1, max_len_b=MAX_LEN_B)
+    return {batch: decode(in_process, stock, batch) for batch in (1, 16)}
+
+
+@pytest.mark.parametrize("shape", [{"tree_branching": "3,2,1"},
+                                   {"block_size": 3, "tree_budget": 9}])  # fmt: skip
+@pytest.mark.parametrize("batch_size", [1, 16])
+@pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter"])
+@torch.no_grad()
+def test_greedy_draft_trees_are_identical_to_stock_greedy(in_process, stock_greedy_in_process,
+                                                          toy, drafter, batch_size, shape):  # fmt: skip
+    """Greedy draft trees with top_beta: each node's children are the drafter's best tokens
+    (tree_branching) or the sequences a beam search over the drafter keeps (tree_budget); the
+    verifier scores the tree in one pass and follows its own picks down it; more drafts are
+    accepted than along the chain of the same depth."""
+    task, models, _ = in_process
+    adapter = load_drafter(task, str(toy[drafter]), models[0])
+    lossless = DecodingSettings(block_size=BLOCK_SIZE, max_draft_batch=0, max_len_a=0,
+                                max_len_b=MAX_LEN_B)  # fmt: skip
+    accepted = {}
+    for name, settings in (("chain", lossless.replace(block_size=3)),
+                           ("tree", lossless.replace(**shape))):  # fmt: skip
+        generator = task.generator_for(models[0], adapter, settings)
+        output = decode(in_process, generator, batch_size)
+        assert output == stock_greedy_in_process[batch_size]
+        accepted[name] = generator.stats.accepted_tokens / generator.stats.iterations
+    assert accepted["tree"] > accepted["chain"]
+
+
 def task_generator(task, models, drafter):
     """The generator the task builds for fairseq-generate, with ``drafter``."""
     task.cfg.drafter_path = str(drafter)
@@ -253,14 +291,7 @@ def test_batch_composition_does_not_change_translations(in_process, toy):
     assert stats.output_tokens == sum(len(tokens) for tokens in together)
     assert stats.accepted_tokens <= stats.drafted_tokens <= BLOCK_SIZE * stats.iterations
     assert len({h["spec_iterations"] for h in results}) > 1  # rows finished at different times
-    for row in range(sample["id"].numel()):
-        net_input = sample["net_input"]
-        one = {"net_input": {k: v[row : row + 1] for k, v in net_input.items()}}
-        src = one["net_input"]["src_tokens"]
-        keep = src.ne(task.source_dictionary.pad()).squeeze(0)
-        one["net_input"]["src_tokens"] = src[:, keep]
-        one["net_input"]["src_lengths"] = keep.sum().view(1)
-        one["net_input"]["prev_output_tokens"] = net_input["prev_output_tokens"][row : row + 1]
+    for row, one in enumerate(single_rows(task, sample)):
         alone = generator.generate(models, one)[0][0]["tokens"].tolist()
         assert alone == together[row], f"sentence {int(sample['id'][row])}"
 
