@@ -229,8 +229,9 @@ def single_rows(task, sample):
 def decode(in_process, generator, batch_size):
     """{sentence id: output tokens} of the test split in batches of 16 or one by one."""
     task, models, batches = in_process
-    samples = batches if batch_size == 16 else [one for b in batches for one in single_rows(task, b)]
-    return {int(i): hypos[0]["tokens"].tolist() for sample in samples
+    if batch_size == 1:
+        batches = [one for batch in batches for one in single_rows(task, batch)]
+    return {int(i): hypos[0]["tokens"].tolist() for sample in batches
             for i, hypos in zip(sample["id"], generator.generate(models, sample))}  # fmt: skip
 
 
@@ -238,7 +239,9 @@ def decode(in_process, generator, batch_size):
 def stock_greedy_in_process(in_process):
     task, models, _ = in_process
     stock = SequenceGenerator(models, task.target_dictionary, beam_size=1, max_len_b=MAX_LEN_B)
-    return {batch: decode(in_process, stock, batch) for batch in (1, 16)}
+    greedy = {batch: decode(in_process, stock, batch) for batch in (1, 16)}
+    assert len(greedy[1]) == len(greedy[16]) == TEST_LINES
+    return greedy
 
 
 @pytest.mark.parametrize("shape", [{"tree_branching": "3,2,1"},
@@ -246,8 +249,8 @@ def stock_greedy_in_process(in_process):
 @pytest.mark.parametrize("batch_size", [1, 16])
 @pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter"])
 @torch.no_grad()
-def test_greedy_draft_trees_are_identical_to_stock_greedy(in_process, stock_greedy_in_process,
-                                                          toy, drafter, batch_size, shape):  # fmt: skip
+def test_greedy_draft_trees_are_identical_to_stock_greedy(in_process, stock_greedy_in_process, toy,
+                                                          drafter, batch_size, shape):
     """Greedy draft trees with top_beta: each node's children are the drafter's best tokens
     (tree_branching) or the sequences a beam search over the drafter keeps (tree_budget); the
     verifier scores the tree in one pass and follows its own picks down it; more drafts are
@@ -262,8 +265,15 @@ def test_greedy_draft_trees_are_identical_to_stock_greedy(in_process, stock_gree
         generator = task.generator_for(models[0], adapter, settings)
         output = decode(in_process, generator, batch_size)
         assert output == stock_greedy_in_process[batch_size]
-        accepted[name] = generator.stats.accepted_tokens / generator.stats.iterations
+        accepted[name] = generator.stats.mean_accepted_per_iteration
     assert accepted["tree"] > accepted["chain"]
+
+
+def test_draft_tree_flags_decode_like_stock_greedy_through_fairseq_generate(toy, stock_greedy):
+    """The tree flags of the lossless rule, end to end (the shapes themselves: above)."""
+    output = generate(toy, 16, "cached_drafter", "--tree-branching", "3,2,1")
+    assert hypotheses(output) == stock_greedy[16]
+    assert mean_accepted(output) > LEAST_ACCEPTED
 
 
 def task_generator(task, models, drafter):
