@@ -2,7 +2,7 @@
 """Draw the figures of BENCHMARKS.md from the JSON results of benchmarks/benchmark.py.
 
     python benchmarks/plot.py [--results benchmarks/results] [--out benchmarks/plots]
-        [--speed bench-de-en-v2-speed.json] [--acceptance FILE ...]
+        [--speed bench-de-en-v3-speed.json] [--acceptance FILE ...]
 
 Writes, under --out:
 - speed-by-batch.png: × fairseq greedy against batch size, one line per system, from a
@@ -177,7 +177,7 @@ def main():
     parser.add_argument("--results", type=Path, default=ROOT / "results",
                         help="folder of JSON results")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "plots", help="folder for the PNG files")
-    parser.add_argument("--speed", default="bench-de-en-v2-speed.json",
+    parser.add_argument("--speed", default="bench-de-en-v3-speed.json",
                         help="the ceiling result drawn by batch size: FILE[:KEY] "
                         "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--acceptance", nargs="+", default=[], metavar="FILE",
