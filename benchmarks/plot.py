@@ -2,7 +2,7 @@
 """Draw the figures of BENCHMARKS.md from the JSON results of benchmarks/benchmark.py.
 
     python benchmarks/plot.py [--results benchmarks/results] [--out benchmarks/plots]
-        [--speed bench-de-en-v3-speed.json] [--acceptance FILE ...]
+        [--speed FILE[:KEY]] [--acceptance FILE ...]
 
 Writes, under --out:
 - speed-by-batch.png: × fairseq greedy against batch size, one line per system, from a
