@@ -162,3 +162,56 @@ def test_the_loss_scores_only_the_labelled_masks_and_equals_scoring_all(toy, dra
     leading = (right | target.eq(pad)).long().cumprod(dim=1)
     for n in range(1, BLOCK_SIZE + 1):
         assert logged[f"first{n}_count"] == int(leading[:, n - 1].sum())
+
+
+class FixedDrafter(torch.nn.Module):
+    """Hands the criterion fixed logits [rows, k, V] for the masks it asks to score."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, scored):
+        return self.logits[scored], None
+
+    def get_normalized_probs(self, net_output, log_probs):
+        return torch.log_softmax(net_output[0], dim=-1)
+
+
+@pytest.mark.parametrize("on_policy_weight", [0.0, 0.5, 1.0])
+def test_on_policy_weight_discounts_positions_after_a_wrong_draft(on_policy_weight):
+    """Row 0 drafts its first label wrong, so the verifier never reaches positions 2 and 3; row 1
+    drafts its first right and its second wrong. Each position's smoothed loss is weighted by
+    1 - w, plus w where every earlier draft of its row is right."""
+    dictionary = Dictionary()
+    for i in range(4):
+        dictionary.add_symbol(f"w{i}")
+    task = argparse.Namespace(target_dictionary=dictionary)
+    pad, v = dictionary.pad(), len(dictionary)
+    a, b, c = dictionary.index("w0"), dictionary.index("w1"), dictionary.index("w2")
+    target = torch.tensor([[a, b, c], [b, c, pad]])
+    drafts = torch.tensor([[c, b, c], [b, a, a]])  # argmax per mask
+    logits = torch.nn.functional.one_hot(drafts, v).float() * 2.0 + 0.1 * torch.arange(v)
+    criterion = SpecDrafterLoss(task, label_smoothing=0.1, report_first_n=3,
+                                on_policy_weight=on_policy_weight)  # fmt: skip
+    sample = {"target": target, "net_input": {}, "ntokens": 5}
+    loss, sample_size, logged = criterion(FixedDrafter(logits), sample)
+    lprobs = torch.log_softmax(logits, dim=-1)
+    eps_i = 0.1 / (v - 1)
+    reached = {(0, 0): 1, (0, 1): 0, (0, 2): 0, (1, 0): 1, (1, 1): 1}
+    expected = sum(
+        (1 - on_policy_weight + on_policy_weight * hit)
+        * (-(0.9 - eps_i) * lprobs[row, i, target[row, i]] - eps_i * lprobs[row, i].sum())
+        for (row, i), hit in reached.items()
+    )
+    torch.testing.assert_close(loss, expected)
+    nll = -sum(lprobs[row, i, target[row, i]] for row, i in reached)
+    torch.testing.assert_close(logged["nll_loss"], nll)  # reported unweighted
+    assert sample_size == 5 and logged["n_correct"] == 3
+    assert [logged[f"first{n}_count"] for n in (1, 2, 3)] == [1, 0, 0]
+
+
+def test_an_on_policy_weight_outside_zero_to_one_is_refused_in_one_line():
+    task = argparse.Namespace(target_dictionary=Dictionary())
+    with pytest.raises(SpecNmtError, match=r"--on-policy-weight must lie in \[0, 1\], got 1.5"):
+        SpecDrafterLoss(task, label_smoothing=0.1, report_first_n=3, on_policy_weight=1.5)

@@ -5,6 +5,10 @@ Besides the loss it reports how drafting would fare against the reference: ``acc
 accuracy), ``lead`` (mean run of correct tokens from the start of the block, what a verifier
 that agrees with the reference would accept) and ``first1`` .. ``firstN`` (percent of blocks whose
 first n drafted tokens are all right; positions past the end of the target count as right).
+
+``--on-policy-weight`` judges the drafter's own drafts by the lossless rule while it trains (the
+on-policy examples of DistillSpec, Zhou et al. 2024): a position drafted after a wrong draft in its
+block is discarded by the verifier, so its loss counts less.
 """
 
 import math
@@ -16,6 +20,8 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.dataclass import FairseqDataclass
 
+from spec_nmt.errors import SpecNmtError
+
 
 @dataclass
 class SpecDrafterLossConfig(FairseqDataclass):
@@ -25,14 +31,25 @@ class SpecDrafterLossConfig(FairseqDataclass):
     report_first_n: int = field(
         default=5, metadata={"help": "log firstN metrics for N = 1 .. this (capped at k)"}
     )
+    on_policy_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "w in [0, 1]: each drafted position's loss is scaled by 1 - w, plus w if "
+            "the drafter's argmax equals the label at every earlier position of its block (the "
+            "verifier would reach it); 0 trains every position alike"
+        },
+    )
 
 
 @register_criterion("spec_drafter_loss", dataclass=SpecDrafterLossConfig)
 class SpecDrafterLoss(FairseqCriterion):
-    def __init__(self, task, label_smoothing, report_first_n):
+    def __init__(self, task, label_smoothing, report_first_n, on_policy_weight=0.0):
         super().__init__(task)
+        if not 0.0 <= on_policy_weight <= 1.0:
+            raise SpecNmtError(f"--on-policy-weight must lie in [0, 1], got {on_policy_weight}")
         self.eps = label_smoothing
         self.report_first_n = report_first_n
+        self.on_policy_weight = on_policy_weight
 
     def forward(self, model, sample, reduce=True):
         """The loss over the masks that have a label; the model scores only those (logits
@@ -42,13 +59,19 @@ class SpecDrafterLoss(FairseqCriterion):
         logits, extra = model(**sample["net_input"], scored=is_label)
         lprobs = model.get_normalized_probs((logits, extra), log_probs=True)
         labels = target[is_label]
-        loss, nll_loss = label_smoothed_nll_loss(
-            lprobs, labels, self.eps, ignore_index=self.padding_idx, reduce=reduce
-        )
-        sample_size = sample["ntokens"]
         right = torch.zeros_like(is_label)
         right[is_label] = lprobs.argmax(dim=-1).eq(labels)
         leading = (right | ~is_label).long().cumprod(dim=1)  # 1 while every token so far is right
+        loss, nll_loss = label_smoothed_nll_loss(
+            lprobs, labels, self.eps, ignore_index=self.padding_idx, reduce=False
+        )
+        if self.on_policy_weight:
+            reached = torch.cat([leading.new_ones(leading.size(0), 1), leading[:, :-1]], dim=1)
+            weight = 1.0 - self.on_policy_weight + self.on_policy_weight * reached[is_label]
+            loss = loss * weight.unsqueeze(-1).to(loss.dtype)
+        if reduce:
+            loss, nll_loss = loss.sum(), nll_loss.sum()
+        sample_size = sample["ntokens"]
         logging_output = {
             "loss": loss.data,
             "nll_loss": nll_loss.data,
