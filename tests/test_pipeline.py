@@ -48,9 +48,9 @@ LENGTH_FLAGS = DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"])
 
 # the verifier's decoder depth, which the campaign's drafters (2, 2, 1 and 2 layers) do not take
 VERIFIER_DECODER_LAYERS = 3
-# the comparison drafters' epochs (about 28 updates each on the toy corpus): fewer than 250
+# the comparison drafters' epochs (about 25 updates each on the toy corpus): fewer than 250
 # updates, and a multiple of --validate-interval, so that the last epoch is validated
-COMPARISON_EPOCHS = 5
+COMPARISON_EPOCHS = 2
 
 
 def build_pipeline(root):
@@ -60,7 +60,7 @@ def build_pipeline(root):
     data_bin, spm_model = root / "data" / "bin", root / "data" / "spm.model"
     campaign = ["scripts/campaign.sh", data_bin, spm_model, raw, root / "campaign",
                 *TINY_TRANSFORMER, *TINY_OVERRIDES, "--max-update", 250,
-                "--save-interval-updates", 50, "--validate-interval", 5,
+                "--save-interval-updates", 50, "--validate-interval", COMPARISON_EPOCHS,
                 "--decoder-layers", VERIFIER_DECODER_LAYERS]  # fmt: skip
     limits = {"PATIENCE": "1000", "COMPARISON_EPOCHS": str(COMPARISON_EPOCHS)}
     campaign_log = run(*campaign, env_update=limits).stdout
