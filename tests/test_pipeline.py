@@ -48,7 +48,7 @@ LENGTH_FLAGS = DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"])
 
 # the verifier's decoder depth, which the campaign's drafters (2, 2, 1 and 2 layers) do not take
 VERIFIER_DECODER_LAYERS = 3
-# the comparison drafters' epochs (about 25 updates each on the toy corpus): fewer than 250
+# the comparison drafters' epochs (about 28 updates each on the toy corpus): fewer than 250
 # updates, and a multiple of --validate-interval, so that the last epoch is validated
 COMPARISON_EPOCHS = 2
 
