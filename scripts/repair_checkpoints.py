@@ -21,12 +21,9 @@ import shutil
 import zipfile
 from pathlib import Path
 
-from fairseq import checkpoint_utils
-
-# (importing spec_nmt lets torch.load read fairseq checkpoints; an unreadable one raises
-# SpecNmtError naming it)
-from spec_nmt.errors import SpecNmtError
-from spec_nmt.files import written_whole
+# fairseq and spec_nmt (which imports fairseq) are imported where a checkpoint is read or an
+# error raised, not here: the campaign runs this at the start of every stage, and a new stage
+# has nothing to repair.
 
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
 # the files fairseq-train resumes from (not checkpoint_final.pt or checkpoint_avgN.pt: finished
@@ -42,17 +39,28 @@ def cut_short(path: Path) -> bool:
         with zipfile.ZipFile(path) as archive:
             return archive.testzip() is not None
     except zipfile.BadZipFile:
+        from spec_nmt.errors import SpecNmtError
+
         try:
-            checkpoint_utils.load_checkpoint_to_cpu(str(path))
+            load(path)
         except SpecNmtError:
             return True
         return False
 
 
+def load(path: Path) -> dict:
+    """fairseq's checkpoint on the CPU (importing spec_nmt lets torch.load read fairseq
+    checkpoints; an unreadable one raises SpecNmtError naming it)."""
+    import spec_nmt  # noqa: F401
+    from fairseq import checkpoint_utils
+
+    return checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
 def saved_at(path: Path):
     """(updates, val_loss is the best so far) of a complete checkpoint; a file that is whole
     but does not load stops the repair with its own error."""
-    state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    state = load(path)
     extra = state.get("extra_state") or {}
     was_best = extra.get("val_loss") is not None and extra.get("val_loss") == extra.get("best")
     return state["optimizer_history"][-1]["num_updates"], was_best
@@ -60,11 +68,16 @@ def saved_at(path: Path):
 
 def repair(save_dir: Path) -> list:
     """Repair save_dir's copies as the module says; the repairs made, as (copy, source) pairs."""
-    if not save_dir.is_dir():
-        raise SpecNmtError(f"{save_dir} is not a directory")
-    saved = [path for path in save_dir.iterdir() if SAVED_BY_FAIRSEQ.fullmatch(path.name)]
-    if not saved:
+    saved = None  # not a directory
+    if save_dir.is_dir():
+        saved = [path for path in save_dir.iterdir() if SAVED_BY_FAIRSEQ.fullmatch(path.name)]
+    if saved == []:
         return []  # a new run
+    from spec_nmt.errors import SpecNmtError
+    from spec_nmt.files import written_whole
+
+    if saved is None:
+        raise SpecNmtError(f"{save_dir} is not a directory")
     cut = {path for path in saved if cut_short(path)}
     if cut == set(saved):
         raise SpecNmtError(
