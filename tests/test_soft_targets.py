@@ -25,8 +25,9 @@ def cached_drafter_batch(toy, sentences=12, cuts=3):
     return task, drafter, sample, batch
 
 
-def criterion_for(task, toy, weight):
+def criterion_for(task, toy, weight, on_policy_weight=0.0):
     return SpecDrafterLoss(task, label_smoothing=0.1, report_first_n=BLOCK_SIZE,
+                           on_policy_weight=on_policy_weight,
                            teacher_verifier=str(toy["verifier"]),
                            soft_target_weight=weight)  # fmt: skip
 
@@ -85,6 +86,30 @@ def test_the_loss_mixes_cross_entropy_and_kl_to_the_verifier(toy, weight):
     if weight == 1.0:  # the labels no longer count: only the teacher's distribution does
         (gradient,) = torch.autograd.grad(loss, drafter.decoder.output_projection.weight)
         assert gradient.abs().sum() > 0
+
+
+def test_the_on_policy_weight_scales_each_positions_mixed_loss(toy):
+    """With both terms, a position the verifier would not reach (a wrong draft before it in its
+    block) drops out of the cross-entropy and the KL alike at w = 1."""
+    task, drafter, _, batch = cached_drafter_batch(toy)
+    pad = task.target_dictionary.pad()
+    target = batch["target"]
+    is_label = target.ne(pad)
+    criterion = criterion_for(task, toy, 0.4, on_policy_weight=1.0)
+    loss, _, _ = criterion(drafter, batch)
+
+    every, _ = drafter(**batch["net_input"])
+    lprobs = torch.log_softmax(every.float(), dim=-1)
+    right = lprobs.argmax(dim=-1).eq(target) | ~is_label
+    reached = torch.cat([torch.ones_like(right[:, :1]), right[:, :-1].cumprod(dim=1)], dim=1)
+    reached = reached[is_label]
+    assert reached.any() and not reached.all()  # both kinds of position occur
+    cross_entropy, _ = label_smoothed_nll_loss(lprobs[is_label], target[is_label], 0.1,
+                                               ignore_index=pad, reduce=False)  # fmt: skip
+    teacher = criterion.teacher_lprobs(drafter, batch, is_label)
+    kl = (teacher.exp() * (teacher - lprobs[is_label][:, :-1])).sum(dim=1)
+    expected = ((0.6 * cross_entropy.squeeze(-1) + 0.4 * kl) * reached).sum()
+    torch.testing.assert_close(loss, expected)
 
 
 def test_the_kl_vanishes_when_the_drafter_predicts_the_teachers_distribution(toy):
