@@ -9,18 +9,10 @@ first n drafted tokens are all right; positions past the end of the target count
 ``--on-policy-weight`` judges the drafter's own drafts by the lossless rule while it trains (the
 on-policy examples of DistillSpec, Zhou et al. 2024): a position drafted after a wrong draft in its
 block is discarded by the verifier, so its loss counts less.
-
-With ``--teacher-verifier`` the drafter also learns the verifier's whole distribution at each
-scored mask, not only its argmax (DistillSpec's soft targets): each position's loss becomes
-(1 - s) x cross-entropy + s x KL(verifier || drafter), s = ``--soft-target-weight``. The
-verifier's distribution for the label y[c + j] of cut c is its next-token distribution after
-the prefix y[:c + j], read from one teacher-forced verifier pass over each target.
 """
 
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from fairseq import metrics, utils
@@ -28,9 +20,7 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.dataclass import FairseqDataclass
 
-from spec_nmt.drafters.training_batches import unwrapped
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import load_paired_verifier
 
 
 @dataclass
@@ -49,42 +39,17 @@ class SpecDrafterLossConfig(FairseqDataclass):
             "verifier would reach it); 0 trains every position alike"
         },
     )
-    teacher_verifier: Optional[str] = field(
-        default=None,
-        metadata={
-            "help": "verifier checkpoint whose next-token distributions the drafter also learns "
-            "(KL at every scored mask); give the verifier the drafter will decode with"
-        },
-    )
-    soft_target_weight: float = field(
-        default=0.5,
-        metadata={
-            "help": "with --teacher-verifier: the weight s of the KL term, each position's loss "
-            "being (1 - s) x label-smoothed cross-entropy + s x KL(verifier || drafter); 1: KL "
-            "only"
-        },
-    )
 
 
 @register_criterion("spec_drafter_loss", dataclass=SpecDrafterLossConfig)
 class SpecDrafterLoss(FairseqCriterion):
-    def __init__(self, task, label_smoothing, report_first_n, on_policy_weight=0.0,
-                 teacher_verifier=None, soft_target_weight=0.5):  # fmt: skip
+    def __init__(self, task, label_smoothing, report_first_n, on_policy_weight=0.0):
         super().__init__(task)
         if not 0.0 <= on_policy_weight <= 1.0:
             raise SpecNmtError(f"--on-policy-weight must lie in [0, 1], got {on_policy_weight}")
-        if not 0.0 <= soft_target_weight <= 1.0:
-            raise SpecNmtError(
-                f"--soft-target-weight must lie in [0, 1], got {soft_target_weight}"
-            )
-        if teacher_verifier and not os.path.isfile(teacher_verifier):
-            raise SpecNmtError(f"--teacher-verifier {teacher_verifier}: no such file")
         self.eps = label_smoothing
         self.report_first_n = report_first_n
         self.on_policy_weight = on_policy_weight
-        self.teacher_path = teacher_verifier
-        self.soft_weight = soft_target_weight
-        self._teacher = None  # loaded beside the drafter at the first batch
 
     def forward(self, model, sample, reduce=True):
         """The loss over the masks that have a label; the model scores only those (logits
@@ -100,18 +65,12 @@ class SpecDrafterLoss(FairseqCriterion):
         loss, nll_loss = label_smoothed_nll_loss(
             lprobs, labels, self.eps, ignore_index=self.padding_idx, reduce=False
         )
-        loss, nll_loss = loss.squeeze(-1), nll_loss.squeeze(-1)  # [n]
-        kl = None
-        if self.teacher_path:
-            kl = self.teacher_divergence(model, sample, is_label, lprobs)
-            loss = (1.0 - self.soft_weight) * loss + self.soft_weight * kl.to(loss.dtype)
         if self.on_policy_weight:
             reached = torch.cat([leading.new_ones(leading.size(0), 1), leading[:, :-1]], dim=1)
             weight = 1.0 - self.on_policy_weight + self.on_policy_weight * reached[is_label]
-            loss = loss * weight.to(loss.dtype)
+            loss = loss * weight.unsqueeze(-1).to(loss.dtype)
         if reduce:
             loss, nll_loss = loss.sum(), nll_loss.sum()
-            kl = kl.sum() if kl is not None else None
         sample_size = sample["ntokens"]
         logging_output = {
             "loss": loss.data,
@@ -122,41 +81,9 @@ class SpecDrafterLoss(FairseqCriterion):
             "n_correct": int((right & is_label).sum()),
             "lead_sum": int((leading.bool() & is_label).sum()),
         }
-        if kl is not None:
-            logging_output["kl"] = kl.data
         for n in range(1, min(self.report_first_n, target.size(1)) + 1):
             logging_output[f"first{n}_count"] = int(leading[:, n - 1].sum())
         return loss, sample_size, logging_output
-
-    def teacher_lprobs(self, model, sample, is_label):
-        """The teacher verifier's log-probabilities [n, V] for the n labels of ``is_label``
-        (rows of ``sample["target"]`` in order): for cut c and block position j, its
-        distribution after the prefix y[:c + j]."""
-        if self._teacher is None:
-            teacher = load_paired_verifier(self.task, "--teacher-verifier", self.teacher_path,
-                                           unwrapped(model))  # fmt: skip
-            teacher.requires_grad_(False)
-            # not a submodule: the optimizer and the checkpoints must not see its weights
-            object.__setattr__(self, "_teacher", teacher)
-        net_input = sample["net_input"]
-        cuts, shifted = sample["cuts"], sample["shifted_target"]
-        rows, k = is_label.shape
-        sentence = torch.arange(rows, device=cuts.device) // (rows // shifted.size(0))
-        position = cuts.unsqueeze(1) + torch.arange(k, device=cuts.device)
-        with torch.no_grad():
-            features, _ = self._teacher(net_input["src_tokens"], net_input["src_lengths"],
-                                        shifted, features_only=True)  # fmt: skip
-            # only the labelled positions go through the output layer
-            features = features[sentence.unsqueeze(1).expand(-1, k)[is_label], position[is_label]]
-            logits = self._teacher.decoder.output_layer(features)
-            return self._teacher.get_normalized_probs((logits, None), log_probs=True).float()
-
-    def teacher_divergence(self, model, sample, is_label, lprobs):
-        """KL(teacher || drafter) of each label [n]. The teacher predicts the data's
-        dictionary; the drafter's extra [MASK] column has no teacher mass and drops out."""
-        teacher = self.teacher_lprobs(model, sample, is_label)
-        drafter = lprobs[:, : teacher.size(1)].float()
-        return (teacher.exp() * (teacher - drafter)).sum(dim=1)
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:
@@ -169,8 +96,6 @@ class SpecDrafterLoss(FairseqCriterion):
         metrics.log_scalar("loss", loss / max(sample_size, 1) / math.log(2), sample_size, round=3)
         metrics.log_scalar("nll_loss", nll_loss / max(ntokens, 1) / math.log(2), ntokens, round=3)
         metrics.log_derived("ppl", lambda meters: utils.get_perplexity(meters["nll_loss"].avg))
-        if any("kl" in log for log in logging_outputs):
-            metrics.log_scalar("kl", total("kl") / max(ntokens, 1) / math.log(2), ntokens, round=3)
         metrics.log_scalar("acc", 100.0 * total("n_correct") / max(ntokens, 1), ntokens, round=2)
         metrics.log_scalar("lead", total("lead_sum") / max(nsentences, 1), nsentences, round=3)
         first_keys = sorted(

@@ -21,8 +21,7 @@ def drafter_sample(sample: Dict, model, k: int, cuts_per_sentence: int, mask: in
     ``cuts_per_sentence`` random points (stratified: the j-th of m cuts falls in the j-th m-th of
     its length); each cut c's labels are y[c:c+k] (EOS included, padding past the end), one row
     per cut, the cuts of a sentence next to each other. ``model`` None (a caller's layout check)
-    cuts as a Spec-Drafter. The batch keeps ``cuts`` and ``shifted_target`` (the verifier's
-    decoder input, EOS + y), where a teacher's distributions for the labels are read."""
+    cuts as a Spec-Drafter."""
     target = sample["target"]
     m = cuts_per_sentence
     model_class = type(unwrapped(model)) if model is not None else SpecDrafterModel
@@ -40,5 +39,4 @@ def drafter_sample(sample: Dict, model, k: int, cuts_per_sentence: int, mask: in
     shifted = torch.cat([target.new_full((target.size(0), 1), eos), target[:, :-1]], dim=1)
     decoder_input = model_class.training_input(shifted, cuts, k, mask, pad)
     net_input = dict(sample["net_input"], **decoder_input)
-    return dict(sample, net_input=net_input, target=labels, ntokens=int(labels.ne(pad).sum()),
-                cuts=cuts, shifted_target=shifted)  # fmt: skip
+    return dict(sample, net_input=net_input, target=labels, ntokens=int(labels.ne(pad).sum()))
