@@ -68,16 +68,16 @@ def saved_at(path: Path):
 
 def repair(save_dir: Path) -> list:
     """Repair save_dir's copies as the module says; the repairs made, as (copy, source) pairs."""
-    saved = None  # not a directory
-    if save_dir.is_dir():
-        saved = [path for path in save_dir.iterdir() if SAVED_BY_FAIRSEQ.fullmatch(path.name)]
-    if saved == []:
+    if not save_dir.is_dir():
+        from spec_nmt.errors import SpecNmtError
+
+        raise SpecNmtError(f"{save_dir} is not a directory")
+    saved = [path for path in save_dir.iterdir() if SAVED_BY_FAIRSEQ.fullmatch(path.name)]
+    if not saved:
         return []  # a new run
     from spec_nmt.errors import SpecNmtError
     from spec_nmt.files import written_whole
 
-    if saved is None:
-        raise SpecNmtError(f"{save_dir} is not a directory")
     cut = {path for path in saved if cut_short(path)}
     if cut == set(saved):
         raise SpecNmtError(
