@@ -41,6 +41,12 @@ k + 1 tokens for the cost of W = k + 1:
 
 (--engines modules,eager,scripted,compiled: how the decoder layers run, timed in turn.)
 
+Where decoding makes the host wait for the GPU (CUDA's sync debug mode), per verifier call and
+output token, with the lines that do it:
+
+    python benchmarks/benchmark.py syncs MODEL_DIR --src test.de --lines 64 --device cuda \
+        --batch-sizes 1,32 --json benchmarks/results/syncs.json
+
 MODEL_DIR holds verifier.pt, drafter.pt, dict.{de,en}.txt and spm.model (scripts/export_model.py);
 --drafter-path PATH replaces drafter.pt (e.g. an autoregressive drafter), as in spec-nmt-translate.
 Systems: fairseq greedy and beam 5 (stock SequenceGenerator), speculative lossless (beta 1,
@@ -59,6 +65,7 @@ import torch
 from ceiling import block_cost, ceiling
 from common import beam_shape, comma_list, setting
 from diagnosis import acceptance
+from host_syncs import host_syncs
 from sampling_speed import sampling, sampling_system
 from speed_quality import run, sweep
 
@@ -172,6 +179,10 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                      "scripted (that function in TorchScript: the default), compiled (that "
                      "function by torch.compile); the first is the reference. On a GPU every "
                      "engine runs the modules: decoding scripts the layers on the CPU only")
+    sub = mode("syncs", host_syncs, "where decoding makes the host wait for the GPU (CUDA)")
+    sub.add_argument("--block", type=int, default=DEFAULTS.block_size, help="the real drafter's k")
+    sub.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32],
+                     help="batch sizes to measure")
     sub = mode("acceptance", acceptance, "where draft chains break: acceptance by position",
                batches=True)
     reference_rule(sub, "the drafts")

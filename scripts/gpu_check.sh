@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check of issue 34: the CUDA tests (tests/test_cuda.py) and the GPU benchmark
-# (benchmarks/benchmark.py ceiling on newstest2014, fp32 and fp16, batch 1, 8, 32, 128) in one
-# run of at most 9 minutes, writing gpu_check.log, gpu_check.json and tests.xml into $OUT.
+# The GPU check of issue 34: the CUDA tests (tests/test_cuda.py), the host synchronisations of
+# decoding (benchmarks/benchmark.py syncs) and the GPU benchmark (benchmark.py ceiling on
+# newstest2014, fp32 and fp16, batch 1, 8, 32, 128) in one run of at most 9 minutes, writing
+# gpu_check.log, gpu_check.json and tests.xml into $OUT.
 #
 # 1. Here, once (pip and ../shared/data/bench-de-en needed):
 #        scripts/gpu_check.sh --prepare
@@ -18,8 +19,8 @@
 #    log and JSON come back even when a step runs out of time.
 #
 # Sizes (environment): TEST_LINES (lossless tests), TEST_SAMPLES (chi-square tests),
-# BATCH1_LINES and BATCHED_LINES (benchmark lines at batch 1 and at the other batch sizes),
-# BUDGET_S. ctranslate2 (42.8 MB) does not fit
+# SYNC_LINES (lines of the syncs count), BATCH1_LINES and BATCHED_LINES (benchmark lines at
+# batch 1 and at the other batch sizes), BUDGET_S. ctranslate2 (42.8 MB) does not fit
 # beside the wheels: the CUDA CTranslate2 rows need a run of their own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,7 +72,8 @@ case $MODE in
     PY=${PYTHON:-/work/main/.venv/bin/python}
     DEVICE=cpu
     # tiny: the same steps, minutes on two shared cores (fp16 runs slowly on a CPU)
-    TEST_LINES=${TEST_LINES:-4} TEST_SAMPLES=${TEST_SAMPLES:-5000}
+    TEST_LINES=${TEST_LINES:-4} TEST_SAMPLES=${TEST_SAMPLES:-5000} SYNC_LINES=${SYNC_LINES:-4}
+    SYNC_SIZES=1,2
     BATCH1_LINES=${BATCH1_LINES:-2} BATCHED_LINES=${BATCHED_LINES:-4}
     BATCHED_SIZES=2,4 WARMUP_LINES=1 BUDGET_S=${BUDGET_S:-2100}
     ;;
@@ -81,7 +83,8 @@ gpu)
     DEVICE=cuda
     # sized from guessed GPU step times to fit 9 minutes with the install and the tests; raise
     # them once a first run's log shows the steps' times
-    TEST_LINES=${TEST_LINES:-64} TEST_SAMPLES=${TEST_SAMPLES:-20000}
+    TEST_LINES=${TEST_LINES:-64} TEST_SAMPLES=${TEST_SAMPLES:-20000} SYNC_LINES=${SYNC_LINES:-32}
+    SYNC_SIZES=1,32
     BATCH1_LINES=${BATCH1_LINES:-24} BATCHED_LINES=${BATCHED_LINES:-128}
     BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-530}
     ;;
@@ -139,6 +142,11 @@ step tests 2 env SPEC_NMT_TEST_DEVICE=$DEVICE SPEC_NMT_TEST_SOURCE=$CARRY/data/t
     SPEC_NMT_TEST_LINES=$TEST_LINES SPEC_NMT_TEST_SAMPLES=$TEST_SAMPLES "$PY" -m pytest -q -p no:cacheprovider -p no:xdist -rfE --durations=10 \
     --junitxml="$OUT/tests.xml" tests/test_cuda.py
 
+# where the loop makes the host wait for the GPU, counted before anything is timed
+step syncs 6 "$PY" benchmarks/benchmark.py syncs "$MODEL_DIR" --src "$CARRY/data/test.de" \
+    --lines "$SYNC_LINES" --batch-sizes "$SYNC_SIZES" --device "$DEVICE" --warmup-lines 1 \
+    --json "$WORK/syncs.json"
+
 # the benchmarks: newstest2014, every system at every batch size in each precision
 BENCH=(benchmarks/benchmark.py ceiling "$MODEL_DIR" --src "$CARRY/data/test.de"
        --ref "$CARRY/data/test.en" --device "$DEVICE" --warmup-lines "$WARMUP_LINES"
@@ -163,7 +171,7 @@ work, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                       "--format=csv,noheader"], capture_output=True, text=True) if mode == "gpu" else None
 summary = {"mode": mode, "gpu": smi.stdout.strip() if smi else None, "steps": [], "tests": None,
-           "benchmarks": {}}
+           "syncs": None, "benchmarks": {}}
 for line in (work / "steps.txt").read_text().splitlines():
     name, status, seconds = line.split()
     summary["steps"].append({"step": name, "status": status, "seconds": int(seconds)})
@@ -173,6 +181,8 @@ if (out / "tests.xml").exists():
     failed = [case.get("name") for case in suite.iter("testcase")
               if case.find("failure") is not None or case.find("error") is not None]
     summary["tests"] = dict(counts, failed=failed, seconds=float(suite.get("time", 0)))
+if (work / "syncs.json").exists():
+    summary["syncs"] = json.loads((work / "syncs.json").read_text())
 for path in sorted(work.glob("bench-*.json")):
     summary["benchmarks"][path.stem] = json.loads(path.read_text())
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -185,6 +195,11 @@ if summary["tests"]:
     passed = tests["tests"] - tests["failures"] - tests["errors"] - tests["skipped"]
     print(f"tests: {passed} passed, {tests['failures']} failed, {tests['errors']} errors, "
           f"{tests['skipped']} skipped; failed: {tests['failed'] or 'none'}")
+if summary["syncs"]:
+    print(f"host syncs ({summary['syncs']['lines']} lines, counted: {summary['syncs']['counted']}):")
+    for row in summary["syncs"]["rows"]:
+        print(f"  batch {row['batch_size']:>3}  {row['system']:<40} {row['syncs_per_verifier_call']:>7}"
+              f" per verifier call  {row['syncs_per_output_token']:>6} per token")
 for name, result in summary["benchmarks"].items():
     print(f"{name} ({result['lines']} lines, {result['environment'].get('gpu', 'cpu')}):")
     for row in result["rows"]:

@@ -1,7 +1,8 @@
 """The CPU tests' claims on a CUDA device: lossless decoding is token-identical to fairseq's greedy
 search (batch 1 and 32, fp32 and fp16 as fairseq's --fp16), block and tree scoring equal full
 recomputation, the chain and tree rules decide as on the CPU, speculative sampling and RSD sample
-exactly (chi-square), bad input gets its one-line errors.
+exactly (chi-square), bad input gets its one-line errors, and the syncs benchmark mode's counter
+sees a real host wait.
 
 Skipped without CUDA. SPEC_NMT_TEST_DEVICE names another device (cpu: scripts/gpu_check.sh
 --dry-run runs this very file on the CPU); SPEC_NMT_TEST_SOURCE and SPEC_NMT_TEST_LINES choose
@@ -15,6 +16,7 @@ they check there is the device's arithmetic and kernels.
 """
 
 import functools
+import inspect
 import os
 
 import pytest
@@ -199,3 +201,16 @@ def test_int8_drafts_in_fp16_are_refused_with_one_line():
     with pytest.raises(SpecNmtError, match="int8 runs on the CPU in fp32 only"):
         SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device=DEVICE, dtype=torch.float16,
                                        drafter_precision="int8")  # fmt: skip
+
+
+# ----- the syncs benchmark mode's counter -------------------------------------------------------
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the sync debug mode watches CUDA only")
+def test_the_sync_counter_sees_the_host_wait_for_a_value_from_the_device():
+    host_syncs = script_module("host_syncs", folder="benchmarks")
+    total = torch.ones(4, device=DEVICE).sum()
+    with host_syncs.SyncCounter(on_gpu=True) as counter:
+        line = inspect.currentframe().f_lineno + 1
+        total.item()
+        total.add(1)  # stays on the device: no wait
+    test = inspect.currentframe().f_code.co_name
+    assert counter.sites == {f"tests/test_cuda.py:{line} {test}": 1}
