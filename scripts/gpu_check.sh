@@ -18,10 +18,11 @@
 #    tests, then the benchmarks, each in its share of what is left of BUDGET_S seconds, so the
 #    log and JSON come back even when a step runs out of time.
 #
-# Sizes (environment): TEST_LINES (lossless tests), TEST_SAMPLES (chi-square tests),
-# SYNC_LINES (lines of the syncs count), BATCH1_LINES and BATCHED_LINES (benchmark lines at
-# batch 1 and at the other batch sizes), BUDGET_S. ctranslate2 (42.8 MB) does not fit
-# beside the wheels: the CUDA CTranslate2 rows need a run of their own.
+# Sizes (environment): TEST_LINES (lossless tests), TEST_SAMPLES (chi-square tests), SYNC_LINES
+# (lines of the syncs count), BATCH1_LINES and BATCHED_LINES (benchmark lines at batch 1 and at
+# the other batch sizes), BENCH_RUNS (the benchmark runs, as the RUNS list below), BUDGET_S.
+# ctranslate2 (42.8 MB) does not fit beside the wheels: the CUDA CTranslate2 rows need a run of
+# their own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=gpu-carry
@@ -153,6 +154,8 @@ BENCH=(benchmarks/benchmark.py ceiling "$MODEL_DIR" --src "$CARRY/data/test.de"
        --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1)  # k = 3 is the default; 5:3:1 the sweep's pick
 RUNS=("fp32 1 $BATCH1_LINES" "fp16 1 $BATCH1_LINES" "fp32 $BATCHED_SIZES $BATCHED_LINES"
       "fp16 $BATCHED_SIZES $BATCHED_LINES")
+# BENCH_RUNS="PRECISION SIZES LINES;...": these runs instead, in this order
+[[ -n ${BENCH_RUNS:-} ]] && IFS=';' read -r -a RUNS <<<"$BENCH_RUNS"
 for index in "${!RUNS[@]}"; do
     read -r precision sizes lines <<<"${RUNS[$index]}"
     name="bench-$precision-batch-${sizes//,/-}"

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 
 import sentencepiece
 import torch
-from fairseq import checkpoint_utils
+from fairseq import checkpoint_utils, utils
 
 from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.rules import RULES
@@ -293,6 +293,6 @@ def _clean(line: str) -> str:
 
 
 def _to_device(sample: Dict, device: torch.device) -> Dict:
-    net_input = {name: value.to(device) if torch.is_tensor(value) else value
-                 for name, value in sample["net_input"].items()}  # fmt: skip
-    return dict(sample, net_input=net_input)
+    """Every tensor of the sample on ``device``, as fairseq-generate moves it: fairseq's
+    SequenceGenerator indexes the sample's ids with device tensors."""
+    return utils.apply_to_sample(lambda tensor: tensor.to(device), sample)

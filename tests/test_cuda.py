@@ -1,5 +1,5 @@
 """The CPU tests' claims on a CUDA device: lossless decoding is token-identical to fairseq's greedy
-search (batch 1 and 32, fp32 and fp16 as fairseq's --fp16), block and tree scoring equal full
+search (batch 1 and 32, fp32 and fp16 as fairseq's --fp16, there up to near ties), block and tree scoring equal full
 recomputation, the chain and tree rules decide as on the CPU, speculative sampling and RSD sample
 exactly (chi-square), bad input gets its one-line errors, and the syncs benchmark mode's counter
 sees a real host wait.
@@ -15,9 +15,11 @@ reused unit tests of the verifier cache and the rules run whole under ``torch.de
 they check there is the device's arithmetic and kernels.
 """
 
+import contextlib
 import functools
 import inspect
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -47,15 +49,24 @@ pytestmark = pytest.mark.skipif(
 benchmarks = script_module("common", folder="benchmarks")
 
 
-def on_device(test):
-    """``test`` (a CPU test, its parametrisation kept) with every tensor it makes on DEVICE."""
+def on_device(test, constants=()):
+    """``test`` (a CPU test, its parametrisation kept) with every tensor it makes on DEVICE, and
+    the module-level tensors it reads, ``constants`` ((module, name) pairs), moved there."""
 
     @functools.wraps(test)
     def on_the_device(*args, **kwargs):
-        with torch.device(DEVICE):
-            return test(*args, **kwargs)
+        with contextlib.ExitStack() as moved:
+            for module, name in constants:
+                on = getattr(module, name).to(DEVICE)
+                moved.enter_context(mock.patch.object(module, name, on))
+            with torch.device(DEVICE):
+                return test(*args, **kwargs)
 
     return on_the_device
+
+
+# the hand-drawn tree's shape that test_rules' tree tests read
+TREE_SHAPE = ((test_rules, "PARENTS"), (test_rules, "DEPTHS"))
 
 
 # ----- lossless: token-identical to fairseq greedy -----------------------------------------------
@@ -73,7 +84,8 @@ def source_tokens(pair):
 @pytest.mark.parametrize("batch_size", [1, 32])
 def test_lossless_is_token_identical_to_fairseq_greedy(pair, source_tokens, batch_size):
     """The chain at the default k and a greedy tree, drafting in every batch, against fairseq's
-    SequenceGenerator on the same batches; the drafts must matter."""
+    SequenceGenerator on the same batches; the drafts must matter. In fp16 a line may part from
+    fairseq's only where the verifier's two tokens there are a near tie (FP16_TIE)."""
     assert next(pair.verifier.parameters()).device.type == DEVICE.type
     systems = {
         "fairseq greedy": SequenceGenerator([pair.verifier], pair.tgt_dict, beam_size=1,
@@ -84,11 +96,40 @@ def test_lossless_is_token_identical_to_fairseq_greedy(pair, source_tokens, batc
     }  # fmt: skip
     results = benchmarks.decode_all(pair, systems, source_tokens, batch_size)
     expected = [t.tolist() for t in results["fairseq greedy"]["tokens"]]
+    fp16 = next(pair.verifier.parameters()).dtype == torch.float16
     for name in ("chain", "tree"):
         found = [t.tolist() for t in results[name]["tokens"]]
         differing = [line for line, (a, b) in enumerate(zip(found, expected)) if a != b]
-        assert not differing, f"{name}: lines {differing} differ from fairseq greedy"
+        if fp16:
+            gaps = {line: first_difference_gap(pair, source_tokens[line], found[line],
+                                               expected[line]) for line in differing}  # fmt: skip
+            near_ties = all(gap <= FP16_TIE for gap in gaps.values())
+            assert near_ties and len(differing) <= len(expected) // 10, (
+                f"{name}: lines {differing} differ from fairseq greedy; the logit gaps where "
+                f"they part: {gaps}")  # fmt: skip
+        else:
+            assert not differing, f"{name}: lines {differing} differ from fairseq greedy"
         assert systems[name].stats.accepted_tokens > 0
+
+
+# In fp16 a block's products and fairseq's one-token steps round differently, so where the
+# verifier's two best logits are this close either token may come first.
+FP16_TIE = 0.1
+
+
+def first_difference_gap(pair, source, found, expected) -> float:
+    """The verifier's logit gap between the two outputs' tokens where they first part, scored
+    teacher-forced on their common prefix (inf where one output is the other's prefix)."""
+    position = next((i for i, (a, b) in enumerate(zip(found, expected)) if a != b), None)
+    if position is None:
+        return float("inf")
+    prefix = [pair.tgt_dict.eos()] + expected[:position]
+    with torch.inference_mode():
+        logits, _ = pair.verifier(source.unsqueeze(0).to(DEVICE),
+                                  torch.tensor([source.numel()], device=DEVICE),
+                                  torch.tensor([prefix], device=DEVICE))  # fmt: skip
+    scores = logits[0, -1].float()
+    return round(abs(float(scores[found[position]] - scores[expected[position]])), 4)
 
 
 # ----- the verifier's cache: block and tree scoring against full recomputation -----------------
@@ -120,10 +161,10 @@ test_tie_with_beta_one_follows_the_verifiers_own_choice = on_device(
 )
 test_rows_of_a_batch_are_independent = on_device(test_rules.test_rows_of_a_batch_are_independent)
 test_greedy_tree_acceptance_follows_the_verifiers_picks = on_device(
-    test_rules.test_greedy_tree_acceptance_follows_the_verifiers_picks
+    test_rules.test_greedy_tree_acceptance_follows_the_verifiers_picks, TREE_SHAPE
 )
 test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child = on_device(
-    test_rules.test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child
+    test_rules.test_greedy_tree_acceptance_with_beta_takes_the_best_passing_child, TREE_SHAPE
 )
 test_beam_tree_acceptance_follows_parents_across_the_level = on_device(
     test_tree.test_beam_tree_acceptance_follows_parents_across_the_level
@@ -132,7 +173,8 @@ test_beam_tree_acceptance_follows_parents_across_the_level = on_device(
 
 @pytest.mark.parametrize("beta, tau", [(1, 0.0), (3, 1.0)])
 def test_chain_and_tree_rules_decide_as_on_the_cpu(beta, tau):
-    """Random scores on a coarse grid, so that ties are common, and random drafts (distinct
+    """Random scores on a coarse grid, so that ties are common (with beta 1; beta > 1 tells
+    equal scores apart by index), and random drafts (distinct
     within a row: siblings must differ), as a chain and as the hand-drawn tree of test_tree;
     most chain entries' scores put their draft on top, so that drafts get accepted."""
     generator = torch.Generator().manual_seed(5)
@@ -141,6 +183,8 @@ def test_chain_and_tree_rules_decide_as_on_the_cpu(beta, tau):
     drafts = torch.rand(batch, vocab - 3, generator=generator).argsort(dim=1)[:, :6] + 3
     favoured = torch.rand(batch, 6, 1, generator=generator) < 0.7
     scores[:, :6].scatter_(2, drafts.unsqueeze(2), torch.where(favoured, 1.0, -3.0))
+    if beta > 1:  # topk orders equal scores as each device's kernel does (torch leaves it open)
+        scores += torch.arange(vocab) * 1e-3
     tree = trees.DraftTree(drafts, test_tree.PARENTS.expand(batch, -1),
                            test_tree.DEPTHS, torch.ones(batch, 6, dtype=torch.bool))  # fmt: skip
 

@@ -269,11 +269,11 @@ def test_cache_holds_exactly_the_committed_prefix_after_random_accepts_and_rejec
     rows = [0, 1, 2]  # original row of each state row
     fed = [torch.tensor([dictionary.eos()]) for _ in range(3)]  # committed inputs + pending token
     for iteration in range(8):
-        width = int(torch.randint(1, 6, (1,), generator=generator))
+        width = int(torch.randint(1, 6, (1,), generator=generator, device="cpu"))
         drafts = random_tokens(dictionary, len(rows), width - 1)
         block = torch.cat([torch.stack([fed[r][-1] for r in rows]).unsqueeze(1), drafts], 1)
         block_logprobs(verifier, state, block)
-        keep = torch.randint(1, width + 1, (len(rows),), generator=generator).tolist()
+        keep = torch.randint(1, width + 1, (len(rows),), generator=generator, device="cpu").tolist()
         commit_prefix(verifier, state, width, keep, by_index=iteration % 2 == 0)
         for i, r in enumerate(rows):
             fed[r] = torch.cat([fed[r][:-1], block[i, : keep[i]], random_tokens(dictionary, 1)])
