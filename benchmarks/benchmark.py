@@ -12,8 +12,9 @@ then measure it on test:
         --lossless-block 3 --block 5 --beta 3 --tau 1 --latency-lines 200 \
         --json benchmarks/results/run-newstest2014.json
 
-Sampling (speculative sampling vs RSD-C vs RSD-S vs fairseq's --sampling --beam 1), per
-temperature, with systems named kind:shape (chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH):
+Sampling (speculative sampling vs RSD-C vs RSD-S vs fairseq's --sampling --beam 1 and the
+drafter-less loop; --ctranslate2 adds CTranslate2 int8 sampling), per temperature, with systems
+named kind:shape (chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH):
 
     python benchmarks/benchmark.py sampling MODEL_DIR --src test.de --ref test.en \
         --temperatures 1.0,0.7 --systems chain:6,rsd-c:2-1-1,rsd-s:2x3 --json benchmarks/results/sampling.json
@@ -26,7 +27,7 @@ draft, score, accept and commit, per batch size:
         --batch-sizes 1,32,64 --ctranslate2 --json benchmarks/results/ceiling.json
 
 (--ctranslate2 adds the verifier converted with CTranslate2, greedy in fp32 and int8, each run in
-a process of its own by benchmarks/ctranslate2_greedy.py.) On a GPU, with beam 5, lossless at
+a process of its own by benchmarks/ctranslate2_decoding.py.) On a GPU, with beam 5, lossless at
 several k, top-beta/tau and BLEU (what scripts/gpu_check.sh runs):
 
     python benchmarks/benchmark.py ceiling MODEL_DIR --src test.de --ref test.en --lines 256 \
@@ -151,6 +152,8 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
     sub.add_argument("--systems", type=comma_list(sampling_system),
                      default=[sampling_system(x) for x in ("chain:6", "rsd-c:2-1-1", "rsd-s:2x3")],
                      help="chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH")
+    sub.add_argument("--ctranslate2", action="store_true",
+                     help="add CTranslate2 int8 sampling of the same verifier")
     sub = mode("ceiling", ceiling, "the loop's ceiling, the iteration's cost and CTranslate2")
     reference_rule(sub, "the oracle and the real drafter")
     trees(sub)

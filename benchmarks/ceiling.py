@@ -4,10 +4,6 @@ block of W entries costs the verifier."""
 
 import copy
 import json
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 from common import (
@@ -15,6 +11,8 @@ from common import (
     MAX_LEN_B,
     PhaseTimer,
     bleu,
+    ctranslate2_timed,
+    ctranslate2_verifier,
     decode_all,
     defaults,
     environment,
@@ -269,35 +267,9 @@ def block_cost(args):
 
 
 def ctranslate2_runs(args):
-    """The verifier converted with CTranslate2's fairseq converter, greedy in fp32 and int8, each
-    timed in a process of its own (benchmarks/ctranslate2_greedy.py; never beside torch), with its
-    faster thread count (1 or torch's) per batch size."""
-    bin_dir = Path(sys.executable).parent
-    reports = {}
-    with tempfile.TemporaryDirectory() as converted:
-        subprocess.run(
-            [str(bin_dir / "ct2-fairseq-converter"), "--model_path", str(args.model_dir / "verifier.pt"),
-             "--data_dir", str(args.model_dir), "--source_lang", "de", "--target_lang", "en",
-             "--output_dir", converted, "--force"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        for compute_type in ("float32", "int8"):
-            # its best thread count per batch size: on 2 vCPUs one intra-op thread was up to 9x
-            # faster than two at batch 1
-            for threads in sorted({1, torch.get_num_threads()}):
-                out = subprocess.run(
-                    [sys.executable, str(Path(__file__).parent / "ctranslate2_greedy.py"), converted,
-                     str(args.model_dir / "spm.model"), "--src", str(args.src),
-                     "--lines", str(args.lines or 10**9), "--warmup-lines", str(args.warmup_lines),
-                     "--batch-sizes", ",".join(map(str, args.batch_sizes)),
-                     "--compute-type", compute_type, "--threads", str(threads),
-                     "--max-len-a", str(MAX_LEN_A), "--max-len-b", str(MAX_LEN_B)],
-                    check=True, capture_output=True, text=True,
-                ).stdout  # fmt: skip
-                report = json.loads(out)
-                best = reports.setdefault(compute_type, {"ctranslate2": report["ctranslate2"]})
-                for batch_size in map(str, args.batch_sizes):
-                    run_ = dict(report[batch_size], threads=threads)
-                    if batch_size not in best or run_["seconds"] < best[batch_size]["seconds"]:
-                        best[batch_size] = run_
-    return reports
+    """The verifier converted with CTranslate2's fairseq converter, greedy in fp32 and int8 at
+    each batch size."""
+    with ctranslate2_verifier(args.model_dir) as converted:
+        return {compute_type: ctranslate2_timed(args, converted, args.src, args.lines,
+                                                args.batch_sizes, compute_type)
+                for compute_type in ("float32", "int8")}  # fmt: skip

@@ -3,11 +3,13 @@ generators, the speculative ones, the oracle), decoding and timing them alike, B
 environment record and the flag parsers."""
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,9 +120,14 @@ def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
 
 def bleu(pair, token_lists, refs):
     hyps = [pair.decode(t) for t in token_lists]
+    return text_bleu(hyps, refs) + (hyps,)
+
+
+def text_bleu(hyps, refs):
+    """(sacreBLEU of detokenized hypotheses, its signature)."""
     metric = sacrebleu.BLEU()
     score = metric.corpus_score(hyps, [refs])
-    return round(score.score, 2), str(metric.get_signature()), hyps
+    return round(score.score, 2), str(metric.get_signature())
 
 
 def read_lines(path, limit=None):
@@ -318,3 +325,45 @@ def beam_shape(text):
     if min(width, depth) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxDEPTH (e.g. 3x4)")
     return width, depth
+
+
+@contextlib.contextmanager
+def ctranslate2_verifier(model_dir: Path):
+    """The directory of the verifier converted by CTranslate2's fairseq converter, for the
+    duration of the block."""
+    converter = Path(sys.executable).parent / "ct2-fairseq-converter"
+    with tempfile.TemporaryDirectory() as converted:
+        subprocess.run(
+            [str(converter), "--model_path", str(model_dir / "verifier.pt"),
+             "--data_dir", str(model_dir), "--source_lang", "de", "--target_lang", "en",
+             "--output_dir", converted, "--force"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        yield converted
+
+
+def ctranslate2_timed(args, converted: str, src, lines, batch_sizes, compute_type: str,
+                      temperature: float = 0.0) -> dict:  # fmt: skip
+    """CTranslate2 decoding of the first ``lines`` of ``src`` (all: None) at each batch size,
+    greedy or (``temperature`` > 0) sampling, timed by benchmarks/ctranslate2_decoding.py in a
+    process of its own (never beside torch), with --warmup-lines untimed first. Each batch size
+    keeps its faster thread count, 1 or torch's: on two vCPUs one thread can win at batch 1.
+    Returns {"ctranslate2": version, "BATCH SIZE": {seconds, output_tokens, outputs, threads}}."""
+    best = {}
+    for threads in sorted({1, torch.get_num_threads()}):
+        out = subprocess.run(
+            [sys.executable, str(Path(__file__).parent / "ctranslate2_decoding.py"), converted,
+             str(args.model_dir / "spm.model"), "--src", str(src), "--lines", str(lines or 10**9),
+             "--warmup-lines", str(args.warmup_lines),
+             "--batch-sizes", ",".join(map(str, batch_sizes)), "--compute-type", compute_type,
+             "--threads", str(threads), "--max-len-a", str(MAX_LEN_A),
+             "--max-len-b", str(MAX_LEN_B), "--sampling-temperature", str(temperature)],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        report = json.loads(out)
+        best.setdefault("ctranslate2", report["ctranslate2"])
+        for batch_size in map(str, batch_sizes):
+            run_ = dict(report[batch_size], threads=threads)
+            if batch_size not in best or run_["seconds"] < best[batch_size]["seconds"]:
+                best[batch_size] = run_
+    return best

@@ -1,9 +1,12 @@
 """Mode sampling: speculative sampling, RSD-C and RSD-S against fairseq's --sampling --beam 1,
-per temperature: speed and BLEU of the samples."""
+the drafter-less loop sampling and (--ctranslate2) CTranslate2 int8 sampling, per temperature:
+speed and BLEU of the samples."""
 
 import argparse
+import contextlib
 import itertools
 import json
+import tempfile
 
 import torch
 from common import (
@@ -11,11 +14,14 @@ from common import (
     MAX_LEN_B,
     beam_shape,
     bleu,
+    ctranslate2_timed,
+    ctranslate2_verifier,
     environment,
     fairseq_sampler,
     load_inputs,
     speculating,
     table,
+    text_bleu,
     timed_runs,
     write_result,
 )
@@ -27,9 +33,19 @@ def sampling(args):
     """Sampling systems at each temperature: block efficiency and batch-1 wall time."""
     pair, src, refs, tokens = load_inputs(args)
     rows = []
+    ctranslate2 = contextlib.ExitStack()
+    if args.ctranslate2:
+        converted = ctranslate2.enter_context(ctranslate2_verifier(args.model_dir))
+        # the lines timed at batch 1 (see timed_runs), as a file of their own
+        latency_src = ctranslate2.enter_context(tempfile.NamedTemporaryFile("w", suffix=".de"))
+        latency_src.write("".join(line + "\n" for line in
+                                  src[args.warmup_lines : args.warmup_lines + args.latency_lines]))
+        latency_src.flush()
     for temperature in args.temperatures:
         speculative = dict(args.systems)  # name -> decoding settings
-        systems = {"fairseq sampling": fairseq_sampler(pair, temperature)}
+        systems = {"fairseq sampling": fairseq_sampler(pair, temperature),
+                   "spec-nmt sampling (no drafts)": speculating(
+                       pair, temperature=temperature, verify="sampling", block_size=0)}  # fmt: skip
         systems.update({
             name: speculating(pair, temperature=temperature, **settings)
             for name, settings in speculative.items()
@@ -53,6 +69,11 @@ def sampling(args):
                 row[key] = batched[name].get(key, fairseq_value)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if args.ctranslate2:
+            rows.append(ctranslate2_row(args, converted, latency_src.name, refs, temperature,
+                                        batched, single, latency_lines))  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    ctranslate2.close()
     result = {
         "mode": "sampling", "lines": len(src), "latency_lines": latency_lines,
         "batch_size": args.batch_size, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
@@ -60,6 +81,27 @@ def sampling(args):
     }
     print(sampling_table(result))
     write_result(args, result)
+
+
+def ctranslate2_row(args, converted, latency_src, refs, temperature, batched, single,
+                    latency_lines) -> dict:  # fmt: skip
+    """CTranslate2 int8 sampling at ``temperature`` against fairseq's: all lines in batches of
+    --batch-size, and the batch-1 lines one at a time."""
+    whole = ctranslate2_timed(args, converted, args.src, args.lines, [args.batch_size], "int8",
+                              temperature)  # fmt: skip
+    alone = ctranslate2_timed(args, converted, latency_src, None, [1], "int8", temperature)["1"]
+    in_batches = whole[str(args.batch_size)]
+    hyps = [pieces.replace(" ", "").replace("\u2581", " ").strip()
+            for pieces in in_batches["outputs"]]  # fmt: skip
+    return {
+        "temperature": temperature, "system": f"CTranslate2 {whole['ctranslate2']} int8 sampling",
+        "drafted_tokens_per_call": 0, "bleu": text_bleu(hyps, refs)[0],
+        "batch1_ms_per_sentence": round(1000 * alone["seconds"] / latency_lines, 1),
+        "batch1_speedup_vs_fairseq": round(single["fairseq sampling"] / alone["seconds"], 2),
+        f"batch{args.batch_size}_speedup_vs_fairseq": round(
+            batched["fairseq sampling"]["seconds"] / in_batches["seconds"], 2),
+        "ctranslate2_threads": f"{alone['threads']} / {in_batches['threads']}",
+    }  # fmt: skip
 
 
 def sampling_table(result):
@@ -70,6 +112,7 @@ def sampling_table(result):
         ("batch1_ms_per_sentence", "batch-1 ms/sent"),
         ("batch1_speedup_vs_fairseq", "batch-1 × fairseq"),
         (f"batch{batch}_speedup_vs_fairseq", f"batch-{batch} × fairseq"), ("bleu", "BLEU"),
+        ("ctranslate2_threads", "CT2 threads (batch 1 / batched)"),
     ]
     return table(columns, result["rows"])
 

@@ -286,6 +286,22 @@ def test_benchmark_ceiling_mode_accepts_every_oracle_draft(pipeline, tmp_path):
     assert rows[(4, "CTranslate2 4.8.5 greedy int8")]["ms_per_output_token"] > 0
 
 
+def test_benchmark_sampling_mode_keeps_the_drafter_less_loop_and_ctranslate2(pipeline, tmp_path):
+    out = tmp_path / "sampling.json"
+    run(sys.executable, "benchmarks/benchmark.py", "sampling", pipeline["model"],
+        "--src", pipeline["raw"] / "test.de", "--ref", pipeline["raw"] / "test.en", "--lines", 12,
+        "--batch-size", 4, "--latency-lines", 3, "--warmup-lines", 1, "--temperatures", "1.0",
+        "--systems", "chain:3", "--ctranslate2", "--json", out)  # fmt: skip
+    rows = {row["system"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["fairseq sampling", "spec-nmt sampling (no drafts)",
+                          "spec sampling k=3", "CTranslate2 4.8.5 int8 sampling"]  # fmt: skip
+    assert rows["spec-nmt sampling (no drafts)"]["tokens_per_verifier_call"] == 1
+    assert rows["spec sampling k=3"]["tokens_per_verifier_call"] > 1
+    for row in rows.values():
+        assert row["batch1_ms_per_sentence"] > 0 and row["batch4_speedup_vs_fairseq"] > 0
+        assert 0 <= row["bleu"] <= 100
+
+
 def test_benchmark_block_cost_mode_times_every_width_and_batch(pipeline, tmp_path):
     out = tmp_path / "block-cost.json"
     run(sys.executable, "benchmarks/benchmark.py", "block-cost", pipeline["model"],

@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""Greedy decoding of a converted verifier with CTranslate2, timed in a process of its own.
+"""Greedy decoding or sampling of a converted verifier with CTranslate2, timed in a process of
+its own.
 
-    python benchmarks/ctranslate2_greedy.py CT2_MODEL_DIR SPM_MODEL --src valid.de --lines 64 \
+    python benchmarks/ctranslate2_decoding.py CT2_MODEL_DIR SPM_MODEL --src valid.de --lines 64 \
         --batch-sizes 1,32,64 --compute-type int8 --threads 2 --max-len-a 1.2 --max-len-b 10
+
+(--sampling-temperature T samples from the whole distribution at temperature T instead.)
 
 CTranslate2 is what speed-minded CPU users run instead of fairseq, so it is the bar for speed.
 It must never share a process with torch (it ran 5x slower that way on this CPU), so this script
-imports neither torch nor fairseq; benchmarks/benchmark.py ceiling --ctranslate2 converts the
-verifier (ct2-fairseq-converter) and runs it with its own output limit (--max-len-a x source
-tokens + --max-len-b). Sentences are sorted by length and batched as the benchmark batches them,
-and the first --warmup-lines sentences are decoded once, untimed. Prints one JSON object: per batch size,
-seconds, output tokens (EOS counted, as fairseq counts it) and the output pieces per line.
+imports neither torch nor fairseq; benchmarks/benchmark.py ceiling and sampling --ctranslate2
+convert the verifier (ct2-fairseq-converter) and run it with its own output limit (--max-len-a x
+source tokens + --max-len-b). Sentences are sorted by length and batched as the benchmark batches
+them, and the first --warmup-lines sentences are decoded once, untimed. Prints one JSON object:
+per batch size, seconds, output tokens (EOS counted, as fairseq counts it) and the output pieces
+per line.
 """
 
 import argparse
@@ -35,12 +39,19 @@ def main():
     parser.add_argument("--warmup-lines", type=int, default=5, help="untimed sentences first")
     parser.add_argument("--max-len-a", type=float, required=True, help="output limit: a x source length")
     parser.add_argument("--max-len-b", type=int, required=True, help="output limit: ... + b")
+    parser.add_argument("--sampling-temperature", type=float, default=0.0,
+                        help="sample at this temperature from every token (0: greedy)")
+    parser.add_argument("--seed", type=int, default=1, help="the sampling's random seed")
     args = parser.parse_args()
 
     spm = sentencepiece.SentencePieceProcessor(model_file=args.spm_model)
     with open(args.src, encoding="utf-8") as handle:
         lines = [line.rstrip("\n") for line in handle][: args.lines]
     pieces = [spm.encode(line.strip(), out_type=str) for line in lines]
+    ctranslate2.set_random_seed(args.seed)
+    # sampling_topk 0: from the whole distribution, as fairseq's --sampling
+    sampling = ({"sampling_topk": 0, "sampling_temperature": args.sampling_temperature}
+                if args.sampling_temperature > 0 else {})  # fmt: skip
     translator = ctranslate2.Translator(
         args.model_dir, device="cpu", compute_type=args.compute_type, intra_threads=args.threads
     )
@@ -50,7 +61,8 @@ def main():
             return []
         # fairseq counts the source's EOS in its length: so does the limit here
         limit = int(args.max_len_a * max(len(p) + 1 for p in batch) + args.max_len_b)
-        results = translator.translate_batch(batch, beam_size=1, max_decoding_length=limit)
+        results = translator.translate_batch(batch, beam_size=1, max_decoding_length=limit,
+                                             **sampling)  # fmt: skip
         return [result.hypotheses[0] for result in results]
 
     translate(pieces[: args.warmup_lines])
