@@ -8,7 +8,7 @@ its own.
 (--sampling-temperature T samples from the whole distribution at temperature T instead.)
 
 CTranslate2 is what speed-minded CPU users run instead of fairseq, so it is the bar for speed.
-It must never share a process with torch (it ran 5x slower that way on this CPU), so this script
+It must never share a process with torch (it runs much slower that way on a CPU), so this script
 imports neither torch nor fairseq; benchmarks/benchmark.py ceiling and sampling --ctranslate2
 convert the verifier (ct2-fairseq-converter) and run it with its own output limit (--max-len-a x
 source tokens + --max-len-b). Sentences are sorted by length and batched as the benchmark batches

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 from common import (
-    defaults,
     environment,
     fairseq_generator,
     greedy_steps,
@@ -81,10 +80,12 @@ class SyncCounter:
 
 
 def sync_systems(args, pair):
+    """fairseq greedy, the drafter-less loop and drafting in every batch at --block (at batch 1
+    the defaults' decoding; in batches the defaults decode as the drafter-less loop)."""
     return {"fairseq greedy": fairseq_generator(pair, 1),
             "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
-            "spec-nmt defaults": defaults(pair),
-            f"spec lossless, real drafter k={args.block}": speculating(pair, block_size=args.block)}  # fmt: skip
+            f"spec lossless, drafting in every batch, k={args.block}": speculating(
+                pair, block_size=args.block)}  # fmt: skip
 
 
 def decode(pair, system, tokens, batch_size):
@@ -100,8 +101,7 @@ def decode(pair, system, tokens, batch_size):
 
 def host_syncs(args):
     """Host synchronisations per verifier call (fairseq: per decoder step) and per output token
-    of fairseq greedy, the drafter-less loop, the defaults and the real drafter at --block, per
-    batch size, with the lines that cause them."""
+    of each of sync_systems, per batch size, with the lines that cause them."""
     pair, src, _, tokens = load_inputs(args)
     on_gpu = pair.device.type == "cuda"
     rows = []

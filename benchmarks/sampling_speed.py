@@ -33,47 +33,22 @@ def sampling(args):
     """Sampling systems at each temperature: block efficiency and batch-1 wall time."""
     pair, src, refs, tokens = load_inputs(args)
     rows = []
-    ctranslate2 = contextlib.ExitStack()
-    if args.ctranslate2:
-        converted = ctranslate2.enter_context(ctranslate2_verifier(args.model_dir))
-        # the lines timed at batch 1 (see timed_runs), as a file of their own
-        latency_src = ctranslate2.enter_context(tempfile.NamedTemporaryFile("w", suffix=".de"))
-        latency_src.write("".join(line + "\n" for line in
-                                  src[args.warmup_lines : args.warmup_lines + args.latency_lines]))
-        latency_src.flush()
-    for temperature in args.temperatures:
-        speculative = dict(args.systems)  # name -> decoding settings
-        systems = {"fairseq sampling": fairseq_sampler(pair, temperature),
-                   "spec-nmt sampling (no drafts)": speculating(
-                       pair, temperature=temperature, verify="sampling", block_size=0)}  # fmt: skip
-        systems.update({
-            name: speculating(pair, temperature=temperature, **settings)
-            for name, settings in speculative.items()
-        })
-        torch.manual_seed(1)
-        batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
-        for name, generator in systems.items():
-            row = {
-                "temperature": temperature, "system": name,
-                "drafted_tokens_per_call": tree_nodes(generator.plan) if name in speculative else 0,
-                "bleu": bleu(pair, batched[name]["tokens"], refs)[0],
-                "batch1_ms_per_sentence": round(1000 * single[name] / latency_lines, 1),
-                "batch1_speedup_vs_fairseq": round(single["fairseq sampling"] / single[name], 2),
-                f"batch{args.batch_size}_speedup_vs_fairseq": round(
-                    batched["fairseq sampling"]["seconds"] / batched[name]["seconds"], 2),
-            }
-            # Block efficiency over the large-batch run of all lines: the batch-1 runs reset the
-            # generator's statistics per sentence.
-            fairseq_values = {"tokens_per_verifier_call": 1.0, "mean_accepted_per_iteration": 0.0}
-            for key, fairseq_value in fairseq_values.items():
-                row[key] = batched[name].get(key, fairseq_value)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    with contextlib.ExitStack() as cleanup:  # the converted model, the batch-1 lines' file
         if args.ctranslate2:
-            rows.append(ctranslate2_row(args, converted, latency_src.name, refs, temperature,
-                                        batched, single, latency_lines))  # fmt: skip
-            print(json.dumps(rows[-1]), flush=True)
-    ctranslate2.close()
+            converted = cleanup.enter_context(ctranslate2_verifier(args.model_dir))
+            # the lines timed at batch 1 (see timed_runs), as a file of their own
+            latency_src = cleanup.enter_context(
+                tempfile.NamedTemporaryFile("w", suffix=".de", encoding="utf-8"))
+            timed = src[args.warmup_lines : args.warmup_lines + args.latency_lines]
+            latency_src.write("".join(line + "\n" for line in timed))
+            latency_src.flush()
+        for temperature in args.temperatures:
+            batched, single, latency_lines = torch_rows(args, pair, tokens, refs, temperature,
+                                                        rows)  # fmt: skip
+            if args.ctranslate2:
+                rows.append(ctranslate2_row(args, converted, latency_src.name, refs, temperature,
+                                            batched, single, latency_lines))  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
     result = {
         "mode": "sampling", "lines": len(src), "latency_lines": latency_lines,
         "batch_size": args.batch_size, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
@@ -81,6 +56,37 @@ def sampling(args):
     }
     print(sampling_table(result))
     write_result(args, result)
+
+
+def torch_rows(args, pair, tokens, refs, temperature, rows):
+    """fairseq's sampling, the drafter-less loop and the --systems at ``temperature``: a row each
+    appended to ``rows``. Returns timed_runs' (large-batch results, batch-1 seconds, lines)."""
+    speculative = dict(args.systems)  # name -> decoding settings
+    systems = {"fairseq sampling": fairseq_sampler(pair, temperature),
+               "spec-nmt sampling (no drafts)": speculating(
+                   pair, temperature=temperature, verify="sampling", block_size=0)}  # fmt: skip
+    systems.update({name: speculating(pair, temperature=temperature, **settings)
+                    for name, settings in speculative.items()})  # fmt: skip
+    torch.manual_seed(1)
+    batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
+    for name, generator in systems.items():
+        row = {
+            "temperature": temperature, "system": name,
+            "drafted_tokens_per_call": tree_nodes(generator.plan) if name in speculative else 0,
+            "bleu": bleu(pair, batched[name]["tokens"], refs)[0],
+            "batch1_ms_per_sentence": round(1000 * single[name] / latency_lines, 1),
+            "batch1_speedup_vs_fairseq": round(single["fairseq sampling"] / single[name], 2),
+            f"batch{args.batch_size}_speedup_vs_fairseq": round(
+                batched["fairseq sampling"]["seconds"] / batched[name]["seconds"], 2),
+        }
+        # Block efficiency over the large-batch run of all lines: the batch-1 runs reset the
+        # generator's statistics per sentence.
+        fairseq_values = {"tokens_per_verifier_call": 1.0, "mean_accepted_per_iteration": 0.0}
+        for key, fairseq_value in fairseq_values.items():
+            row[key] = batched[name].get(key, fairseq_value)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return batched, single, latency_lines
 
 
 def ctranslate2_row(args, converted, latency_src, refs, temperature, batched, single,

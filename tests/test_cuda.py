@@ -1,8 +1,8 @@
 """The CPU tests' claims on a CUDA device: lossless decoding is token-identical to fairseq's greedy
-search (batch 1 and 32, fp32 and fp16 as fairseq's --fp16, there up to near ties), block and tree scoring equal full
-recomputation, the chain and tree rules decide as on the CPU, speculative sampling and RSD sample
-exactly (chi-square), bad input gets its one-line errors, and the syncs benchmark mode's counter
-sees a real host wait.
+search (batch 1 and 32, fp32 and fp16 as fairseq's --fp16, there up to near ties), block and
+tree scoring equal full recomputation, the chain and tree rules decide as on the CPU,
+speculative sampling and RSD sample exactly (chi-square), bad input gets its one-line errors,
+and the syncs benchmark mode's counter sees a real host wait.
 
 Skipped without CUDA. SPEC_NMT_TEST_DEVICE names another device (cpu: scripts/gpu_check.sh
 --dry-run runs this very file on the CPU); SPEC_NMT_TEST_SOURCE and SPEC_NMT_TEST_LINES choose
@@ -174,9 +174,9 @@ test_beam_tree_acceptance_follows_parents_across_the_level = on_device(
 @pytest.mark.parametrize("beta, tau", [(1, 0.0), (3, 1.0)])
 def test_chain_and_tree_rules_decide_as_on_the_cpu(beta, tau):
     """Random scores on a coarse grid, so that ties are common (with beta 1; beta > 1 tells
-    equal scores apart by index), and random drafts (distinct
-    within a row: siblings must differ), as a chain and as the hand-drawn tree of test_tree;
-    most chain entries' scores put their draft on top, so that drafts get accepted."""
+    equal scores apart by index), and random drafts (distinct within a row: siblings must
+    differ), as a chain and as the hand-drawn tree of test_tree; most chain entries' scores put
+    their draft on top, so that drafts get accepted."""
     generator = torch.Generator().manual_seed(5)
     batch, vocab = 256, 9
     scores = torch.randint(-3, 1, (batch, 7, vocab), generator=generator).float()

@@ -4,11 +4,13 @@ cached drafter, then for comparison the Spec-Drafter, the short-block and the 1-
 drafters, all started from the verifier) -> compact model directory ->
 `make translate` and benchmarks/benchmark.py."""
 
+import argparse
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from fairseq import checkpoint_utils
 from fairseq.data import data_utils
 
 from spec_nmt.settings import DEFAULTS
-from tests.conftest import BIN, REPO, TINY_TRANSFORMER, built_once, fairseq
+from tests.conftest import BIN, REPO, TINY_TRANSFORMER, built_once, fairseq, script_module
 from tests.toy_corpus import make_pairs, write_corpus
 
 TINY_OVERRIDES = [
@@ -300,6 +302,17 @@ def test_benchmark_sampling_mode_keeps_the_drafter_less_loop_and_ctranslate2(pip
     for row in rows.values():
         assert row["batch1_ms_per_sentence"] > 0 and row["batch4_speedup_vs_fairseq"] > 0
         assert 0 <= row["bleu"] <= 100
+
+
+def test_ctranslate2_samples_at_a_temperature_and_is_greedy_without_one(pipeline):
+    common = script_module("common", folder="benchmarks")
+    args = argparse.Namespace(model_dir=Path(pipeline["model"]), warmup_lines=0)
+    src = pipeline["raw"] / "test.de"
+    with common.ctranslate2_verifier(args.model_dir) as converted:
+        runs = [common.ctranslate2_timed(args, converted, src, 12, [4], "float32", temperature)
+                for temperature in (0.0, 0.0, 1.0)]  # fmt: skip
+    greedy, again, sampled = (run_["4"]["outputs"] for run_ in runs)
+    assert greedy == again and sampled != greedy
 
 
 def test_benchmark_block_cost_mode_times_every_width_and_batch(pipeline, tmp_path):
