@@ -15,8 +15,8 @@ from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 import torch
 from common import environment, greedy_alone, load_inputs, oracle, speculating, write_result
 
-# sentencepiece's word-start mark
-WORD_START = "\u2581"
+from spec_nmt.text import WORD_START
+
 TOKEN_KINDS = ("punctuation", "subword continuation", "name or number", "other",
                "end of sentence")
 # upper bounds of the source-length buckets, in pieces (EOS excluded); the last is open

@@ -27,6 +27,7 @@ from common import (
 )
 
 from spec_nmt.settings import DraftPlan
+from spec_nmt.text import join_pieces
 
 
 def sampling(args):
@@ -97,8 +98,7 @@ def ctranslate2_row(args, converted, latency_src, refs, temperature, batched, si
                               temperature)  # fmt: skip
     alone = ctranslate2_timed(args, converted, latency_src, None, [1], "int8", temperature)["1"]
     in_batches = whole[str(args.batch_size)]
-    hyps = [pieces.replace(" ", "").replace("\u2581", " ").strip()
-            for pieces in in_batches["outputs"]]  # fmt: skip
+    hyps = [join_pieces(pieces) for pieces in in_batches["outputs"]]
     return {
         "temperature": temperature, "system": f"CTranslate2 {whole['ctranslate2']} int8 sampling",
         "drafted_tokens_per_call": 0, "bleu": text_bleu(hyps, refs)[0],

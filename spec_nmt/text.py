@@ -22,6 +22,14 @@ from sentence_splitter import SentenceSplitter, SentenceSplitterException
 
 logger = logging.getLogger(__name__)
 
+# sentencepiece's word-start mark
+WORD_START = "\u2581"
+
+
+def join_pieces(pieces: str) -> str:
+    """Space-separated sentencepiece pieces as text, as fairseq's --bpe sentencepiece joins them."""
+    return pieces.replace(" ", "").replace(WORD_START, " ").strip()
+
 
 @functools.lru_cache(maxsize=None)
 def _splitter(language: str) -> SentenceSplitter:

@@ -35,7 +35,7 @@ from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, load_drafter
 from spec_nmt.settings import DEFAULTS, DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
-from spec_nmt.text import cut_to_limit, join_sentences, split_sentences
+from spec_nmt.text import cut_to_limit, join_pieces, join_sentences, split_sentences
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class SpecTranslator:
 
     def decode(self, token_ids: torch.Tensor) -> str:
         """Target ids → text, removing sentencepiece as fairseq's --bpe sentencepiece does."""
-        return self.tgt_dict.string(token_ids).replace(" ", "").replace("\u2581", " ").strip()
+        return join_pieces(self.tgt_dict.string(token_ids))
 
     def batches(self, tokens: List[torch.Tensor],
                 batch_size: int) -> Iterator[Tuple[List[int], Dict]]:  # fmt: skip
