@@ -1,5 +1,6 @@
-"""Where draft chains break: acceptance by draft position, by sentence length and by the kind of
-token the verifier wanted there, from the decoding loop's iteration records.
+"""Where draft chains break: acceptance by draft position, by sentence length, by the kind of
+token the verifier wanted there and by how sure the verifier was of it, from the decoding loop's
+iteration records.
 
 Position i of an iteration is *judged* when every draft before it was accepted; it is accepted
 when its draft is the verifier's token. P(i | i-1) is then accepted / judged at position i. The
@@ -7,6 +8,7 @@ token at a judged position is the verifier's: the accepted draft, or at the firs
 verifier's correction. A position after an accepted EOS is not judged.
 """
 
+import math
 import string
 import unicodedata
 from collections import defaultdict
@@ -21,6 +23,8 @@ TOKEN_KINDS = ("punctuation", "subword continuation", "name or number", "other",
                "end of sentence")
 # upper bounds of the source-length buckets, in pieces (EOS excluded); the last is open
 LENGTH_BUCKETS = (10, 20, 40)
+# upper bounds of the buckets of the verifier's largest probability at a judged position
+CONFIDENCE_BUCKETS = (0.4, 0.6, 0.8, 0.95)
 
 
 def token_kind(piece: str, starts_sentence: bool = False) -> str:
@@ -47,6 +51,15 @@ def length_bucket(source_length: int) -> str:
     return f">{LENGTH_BUCKETS[-1]}"
 
 
+def confidence_bucket(probability: float) -> str:
+    low = 0.0
+    for high in CONFIDENCE_BUCKETS:
+        if probability < high:
+            return f"{low:g}-{high:g}"
+        low = high
+    return f">={CONFIDENCE_BUCKETS[-1]:g}"
+
+
 def judged_positions(record, eos: int) -> Iterable[Tuple[int, int, bool]]:
     """(position from 1, the verifier's token there, accepted) for each judged position of a
     chain iteration's record (IterationRecord)."""
@@ -63,8 +76,9 @@ def judged_positions(record, eos: int) -> Iterable[Tuple[int, int, bool]]:
 
 
 class AcceptanceTable:
-    """Judged and accepted counts by position, overall and per group (a length bucket or a
-    token kind)."""
+    """Judged and accepted counts by position, overall and per group (a length bucket, a token
+    kind, or a bucket of the verifier's largest probability there: the draft at position i is
+    judged by the verifier's distribution at block entry i - 1)."""
 
     def __init__(self):
         self.judged: Dict[str, Dict[int, int]] = defaultdict(lambda: defaultdict(int))
@@ -85,7 +99,9 @@ class AcceptanceTable:
                 starts_sentence = not record.prefix and position == 1
                 kind = ("end of sentence" if token == eos
                         else token_kind(piece(token), starts_sentence))  # fmt: skip
-                for group in ("all", bucket, "kind " + kind):
+                sure = math.exp(record.candidate_logprobs[position - 1][0])
+                for group in ("all", bucket, "kind " + kind,
+                              "verifier p " + confidence_bucket(sure)):  # fmt: skip
                     self.judged[group][position] += 1
                     self.accepted[group][position] += accepted
 
@@ -110,12 +126,14 @@ class AcceptanceTable:
 
 
 def _group_order(group: str):
-    kinds = {"all": 0, "length": 1, "kind": 2}
+    kinds = {"all": 0, "length": 1, "kind": 2, "verifier": 3}
     prefix = group.split(" ", 1)[0]
     rest = group[len(prefix) + 1 :]
     if prefix == "length":
         bound = int(rest.lstrip(">").split("-")[0])
         return kinds[prefix], bound, rest
+    if prefix == "verifier":  # "verifier p LOW-HIGH" or "verifier p >=LOW"
+        return kinds[prefix], float(rest[2:].lstrip(">=").split("-")[0]), rest
     if prefix == "kind":
         return kinds[prefix], TOKEN_KINDS.index(rest), rest
     return kinds[prefix], 0, rest
@@ -142,7 +160,8 @@ def markdown(tables: Dict[str, Dict], positions: int) -> List[str]:
 def acceptance(args):
     """Where draft chains break: P(position i accepted | position i-1 accepted) for the drafter
     (lossless, and the reference top-beta/tau) and the oracle at k = --block, overall, by source
-    length and by the kind of token the verifier wanted (diagnosis.py)."""
+    length, by the kind of token the verifier wanted and by its largest probability there
+    (diagnosis.py)."""
     pair, src, _, tokens = load_inputs(args)
     systems = {
         "drafter, lossless": speculating(pair, block_size=args.block),

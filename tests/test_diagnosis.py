@@ -1,4 +1,7 @@
-"""Acceptance by draft position, length and token kind, counted from hand-built iterations."""
+"""Acceptance by draft position, length, token kind and the verifier's confidence, counted from
+hand-built iterations."""
+
+import math
 
 import pytest
 
@@ -11,10 +14,14 @@ PIECES = {2: "</s>", 10: "\u2581The", 11: "\u2581house", 12: ",", 13: "ing", 14:
           15: "\u25812014", 16: "\u2581is"}  # fmt: skip
 
 
-def record(prefix, drafts, accepted, next_token, sentence=0):
+def record(prefix, drafts, accepted, next_token, sentence=0, sure=None):
+    """An iteration's record; ``sure``: the verifier's largest probability at each block entry
+    (0.99 at every one by default)."""
+    sure = sure or [0.99] * (len(drafts) + 1)
     return IterationRecord(
         sentence=sentence, prefix=prefix, draft_tokens=drafts,
-        draft_parents=list(range(-1, len(drafts) - 1)), candidates=[], candidate_logprobs=[],
+        draft_parents=list(range(-1, len(drafts) - 1)), candidates=[],
+        candidate_logprobs=[[math.log(p)] for p in sure],
         accepted_path=list(range(accepted)), next_token=next_token, next_kind="correction",
         ended_by_accepted_eos=False,
     )  # fmt: skip
@@ -58,7 +65,29 @@ def test_acceptance_by_position_counts_only_judged_positions():
     assert "kind subword continuation" not in result["groups"]  # "ing" was never judged
     assert list(result["groups"]) == ["all", "length 1-10", "length 21-40", "kind punctuation",
                                       "kind name or number", "kind other",
-                                      "kind end of sentence"]  # fmt: skip
+                                      "kind end of sentence", "verifier p >=0.95"]  # fmt: skip
+
+
+def test_acceptance_by_the_verifiers_confidence_reads_the_entry_before_each_position():
+    table = diagnosis.AcceptanceTable()
+    records = [
+        # entry 0 judges position 1 (p 0.3), entry 1 position 2 (p 0.7); position 3 not judged
+        record([], [10, 11, 12], 1, 13, sure=[0.3, 0.7, 0.99, 0.5]),
+        record([10], [11, 12, 13], 0, 16, sure=[0.96, 0.1, 0.1, 0.1]),  # rejected where sure
+        record([10], [11, 12, 13], 2, 16, sure=[0.41, 0.61, 0.81, 0.1]),
+    ]
+    table.add(records, source_lengths=[5], piece=PIECES.__getitem__, eos=EOS)
+    groups = table.as_dict()["groups"]
+    verifier = {group[len("verifier p "):]: row for group, row in groups.items()
+                if group.startswith("verifier p ")}  # fmt: skip
+    assert verifier == {
+        "0-0.4": {"acceptance_by_position": [1.0], "judged": [1]},
+        "0.4-0.6": {"acceptance_by_position": [1.0], "judged": [1]},
+        "0.6-0.8": {"acceptance_by_position": [None, 0.5], "judged": [0, 2]},
+        "0.8-0.95": {"acceptance_by_position": [None, None, 0.0], "judged": [0, 0, 1]},
+        ">=0.95": {"acceptance_by_position": [0.0], "judged": [1]},
+    }
+    assert list(verifier) == ["0-0.4", "0.4-0.6", "0.6-0.8", "0.8-0.95", ">=0.95"]  # in order
 
 
 def test_trees_are_refused():
