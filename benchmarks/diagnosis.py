@@ -52,6 +52,8 @@ def length_bucket(source_length: int) -> str:
 
 
 def confidence_bucket(probability: float) -> str:
+    """The bucket of a probability: "LOW-HIGH" for LOW <= p < HIGH, the last one ">=LOW" (the
+    labels sort in the buckets' order)."""
     low = 0.0
     for high in CONFIDENCE_BUCKETS:
         if probability < high:
@@ -132,8 +134,6 @@ def _group_order(group: str):
     if prefix == "length":
         bound = int(rest.lstrip(">").split("-")[0])
         return kinds[prefix], bound, rest
-    if prefix == "verifier":  # "verifier p LOW-HIGH" or "verifier p >=LOW"
-        return kinds[prefix], float(rest[2:].lstrip(">=").split("-")[0]), rest
     if prefix == "kind":
         return kinds[prefix], TOKEN_KINDS.index(rest), rest
     return kinds[prefix], 0, rest

@@ -21,7 +21,7 @@ def record(prefix, drafts, accepted, next_token, sentence=0, sure=None):
     return IterationRecord(
         sentence=sentence, prefix=prefix, draft_tokens=drafts,
         draft_parents=list(range(-1, len(drafts) - 1)), candidates=[],
-        candidate_logprobs=[[math.log(p)] for p in sure],
+        candidate_logprobs=[[math.log(p), math.log((1 - p) / 2)] for p in sure],
         accepted_path=list(range(accepted)), next_token=next_token, next_kind="correction",
         ended_by_accepted_eos=False,
     )  # fmt: skip
@@ -88,6 +88,14 @@ def test_acceptance_by_the_verifiers_confidence_reads_the_entry_before_each_posi
         ">=0.95": {"acceptance_by_position": [0.0], "judged": [1]},
     }
     assert list(verifier) == ["0-0.4", "0.4-0.6", "0.6-0.8", "0.8-0.95", ">=0.95"]  # in order
+
+
+@pytest.mark.parametrize("probability, bucket", [
+    (0.0, "0-0.4"), (0.39, "0-0.4"), (0.4, "0.4-0.6"), (0.6, "0.6-0.8"), (0.8, "0.8-0.95"),
+    (0.949, "0.8-0.95"), (0.95, ">=0.95"), (1.0, ">=0.95"),
+])  # fmt: skip
+def test_a_bucket_holds_its_lower_bound(probability, bucket):
+    assert diagnosis.confidence_bucket(probability) == bucket
 
 
 def test_trees_are_refused():
