@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU check of issue 34: the CUDA tests (tests/test_cuda.py), the host synchronisations of
-# decoding (benchmarks/benchmark.py syncs) and the GPU benchmark (benchmark.py ceiling on
-# newstest2014, fp32 and fp16, batch 1, 8, 32, 128) in one run of at most 9 minutes, writing
-# gpu_check.log, gpu_check.json and tests.xml into $OUT.
+# decoding (benchmarks/benchmark.py syncs), the GPU benchmark (benchmark.py ceiling on
+# newstest2014, fp32 and fp16, batch 1, 8, 32, 128) and, with the time left, the bundled drafter
+# trained on (the drafts issue's candidate) in one run of at most 9 minutes, writing
+# gpu_check.log, gpu_check.json and tests.xml into $OUT, and with training train_drafter.log,
+# drafter-best.pt and drafter-last.pt (compact fp16, as in a model directory).
 #
 # 1. Here, once (pip and ../shared/data/bench-de-en needed):
-#        scripts/gpu_check.sh --prepare
+#        scripts/gpu_check.sh --prepare [DRAFTER_DATA_BIN]
 #    fills gpu-carry/ (git-ignored) with the cp312 manylinux wheels the GPU machine lacks
 #    (ve-fairseq, hydra-core, omegaconf, antlr4-python3-runtime, bitarray, sentence-splitter)
-#    and newstest2014's source and reference, then prints what would travel against the 64 MiB
-#    limit.
+#    and newstest2014's first 1,000 lines (source and reference), then prints what would travel against the 64 MiB
+#    limit. DRAFTER_DATA_BIN (the bundled verifier's greedy translations, binarized: the
+#    drafter's data) adds its train and valid splits, and the run then trains.
 # 2. Here, before any GPU run: the same steps on the CPU at tiny sizes, into the folder OUT:
 #        OUT=/tmp/gpu-dry scripts/gpu_check.sh --dry-run
 # 3. On the GPU machine (the device tool's run, from the repository root, carry ["gpu-carry"]):
@@ -20,7 +23,9 @@
 #
 # Sizes (environment): TEST_LINES (lossless tests), TEST_SAMPLES (chi-square tests), SYNC_LINES
 # (lines of the syncs count), BATCH1_LINES and BATCHED_LINES (benchmark lines at batch 1 and at
-# the other batch sizes), BENCH_RUNS (the benchmark runs, as the RUNS list below), BUDGET_S.
+# the other batch sizes), BENCH_RUNS (the benchmark runs, as the RUNS list below), TRAIN_S (the
+# seconds kept for training, exports included), BUDGET_S. GPU_STEPS lists the steps in the
+# order they run (default "tests syncs bench train"; train needs the prepared drafter data).
 # ctranslate2 (42.8 MB) does not fit beside the wheels: the CUDA CTranslate2 rows need a run of
 # their own.
 set -uo pipefail
@@ -28,10 +33,13 @@ cd "$(dirname "$0")/.."
 CARRY=gpu-carry
 MODEL_DIR=data/models/bench-de-en
 LIMIT_BYTES=$((64 * 1024 * 1024))
+DRAFTER_DATA=$CARRY/drafter-data
+TEST_SET_LINES=1000
 MODE=${1:-gpu}
 
 prepare() {
     local python=${PYTHON:-python3} data=${BENCH_DATA:-../shared/data/bench-de-en}
+    local drafter_bin=${1:-}
     mkdir -p "$CARRY/wheels" "$CARRY/data"
     rm -f "$CARRY"/wheels/*.whl
     local platforms="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
@@ -44,8 +52,55 @@ prepare() {
     # antlr4-python3-runtime 4.9.3 (what omegaconf 2.3 and hydra 1.3 pin) is published as
     # source only: build its pure-Python wheel here
     "$python" -m pip wheel -q --no-deps -w "$CARRY/wheels" antlr4-python3-runtime==4.9.3 || return 1
-    install -m 644 "$data/test.de" "$data/test.en" "$CARRY/data/" || return 1
+    # newstest2014's first lines: no step reads more than a few hundred
+    for side in de en; do
+        head -n "$TEST_SET_LINES" "$data/test.$side" >"$CARRY/data/test.$side" || return 1
+    done
+    rm -rf "$DRAFTER_DATA"
+    if [[ -n $drafter_bin ]]; then
+        # what fairseq-train reads: the dictionaries, train and valid (not test)
+        mkdir -p "$DRAFTER_DATA"
+        install -m 644 "$drafter_bin"/dict.*.txt "$drafter_bin"/train.* "$drafter_bin"/valid.* \
+            "$DRAFTER_DATA/" || return 1
+    fi
     travel_size
+}
+
+train_drafter() {
+    # The bundled drafter trained on as the drafts issue's candidate was (on-policy, w = 1; the
+    # model card's last drafter step), epoch after epoch until --stop-time-hours, each epoch
+    # validated by its acceptance; then the best and the last exported as compact fp16 files.
+    local seconds=$1 device=$2 save=$WORK/drafter start=$WORK/drafter-start.pt
+    local verifier=$MODEL_DIR/verifier.pt which stop_hours flags=(--eval-acceptance-sentences 500)
+    # the dry run: three updates, then the epoch's validation (its loss on all of valid: most
+    # of the time)
+    [[ $device == cpu ]] && flags=(--cpu --max-update 3 --eval-acceptance-sentences 8)
+    "$PY" scripts/unpack_drafter.py "$MODEL_DIR" "$start" || return 1
+    # fairseq's clock for --stop-time-hours goes on from the start checkpoint's training time
+    stop_hours=$("$PY" -c 'import sys, torch
+state = torch.load(sys.argv[1], map_location="cpu", weights_only=False)
+previous = (state.get("extra_state") or {}).get("previous_training_time", 0)
+print((previous + max(int(sys.argv[2]), 1)) / 3600)' "$start" "$((seconds - TRAIN_MARGIN_S))") || return 1
+    # train_common.sh calls fairseq-train, which pip's --target install may leave off the PATH
+    mkdir -p "$WORK/bin"
+    printf '#!/bin/sh\nexec "%s" -c "from fairseq_cli.train import cli_main; cli_main()" "$@"\n' \
+        "$(command -v "$PY")" >"$WORK/bin/fairseq-train"
+    chmod +x "$WORK/bin/fairseq-train"
+    PATH=$WORK/bin:$PATH scripts/train_drafter.sh "$DRAFTER_DATA" "$save" cached_small \
+        "${flags[@]}" --init-from-verifier "$verifier" --finetune-from-model "$start" \
+        --on-policy-weight 1 --lr 3e-4 --warmup-updates 100 --seed 2 --max-epoch 100 \
+        --stop-time-hours "$stop_hours" --validate-interval-updates 0 --save-interval-updates 0 \
+        --eval-acceptance-verifier "$verifier" --best-checkpoint-metric accepted_lossless \
+        --maximize-best-checkpoint-metric --required-batch-size-multiple 1 \
+        >"$OUT/train_drafter.log" 2>&1
+    echo "train_drafter: fairseq-train exited $? ($(grep -c "valid on 'valid'" "$OUT/train_drafter.log") validations)"
+    for which in best last; do
+        [[ -f $save/checkpoint_$which.pt ]] || { echo "train_drafter: no checkpoint_$which.pt"; return 1; }
+        "$PY" scripts/export_model.py "$WORK/export-$which" --verifier "$verifier" \
+            --drafter "$save/checkpoint_$which.pt" --data-bin "$DRAFTER_DATA" \
+            --spm-model "$MODEL_DIR/spm.model" || return 1
+        cp "$WORK/export-$which/drafter.pt" "$OUT/drafter-$which.pt"
+    done
 }
 
 travel_size() {
@@ -65,7 +120,11 @@ travel_size() {
 
 case $MODE in
 --prepare)
-    prepare
+    prepare "${2:-}"
+    exit
+    ;;
+--train-drafter)  # the train step, run by this script under its time limit (WORK, OUT, PY set)
+    train_drafter "$2" "$3"
     exit
     ;;
 --dry-run)
@@ -76,7 +135,7 @@ case $MODE in
     TEST_LINES=${TEST_LINES:-4} TEST_SAMPLES=${TEST_SAMPLES:-5000} SYNC_LINES=${SYNC_LINES:-4}
     SYNC_SIZES=1,2
     BATCH1_LINES=${BATCH1_LINES:-2} BATCHED_LINES=${BATCHED_LINES:-4}
-    BATCHED_SIZES=2,4 WARMUP_LINES=1 BUDGET_S=${BUDGET_S:-2100}
+    BATCHED_SIZES=2,4 WARMUP_LINES=1 BUDGET_S=${BUDGET_S:-2400} TRAIN_S=${TRAIN_S:-600}
     ;;
 gpu)
     : "${OUT:?the device tool sets OUT}"
@@ -88,7 +147,7 @@ gpu)
     TEST_LINES=${TEST_LINES:-64} TEST_SAMPLES=${TEST_SAMPLES:-20000} SYNC_LINES=${SYNC_LINES:-16}
     SYNC_SIZES=1,32
     BATCH1_LINES=${BATCH1_LINES:-16} BATCHED_LINES=${BATCHED_LINES:-64}
-    BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-530}
+    BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-530} TRAIN_S=${TRAIN_S:-0}
     ;;
 *)
     echo "usage: $0 [--prepare | --dry-run]" >&2
@@ -101,11 +160,22 @@ exec > >(tee "$OUT/gpu_check.log") 2>&1
 WORK=$(mktemp -d)
 STEPS=()  # "name status seconds" per step, for the JSON
 
-step() {  # step NAME SHARE COMMAND...: run with at most 1/SHARE of the seconds left
-    local name=$1 share=$2 left limit start status
-    shift 2
-    left=$((BUDGET_S - SECONDS))
+GPU_STEPS=${GPU_STEPS:-tests syncs bench train}
+if [[ ! -d $DRAFTER_DATA ]]; then
+    GPU_STEPS=${GPU_STEPS//train/}
+fi
+# seconds kept for the train step while the steps before it run
+KEEP_S=0
+[[ " $GPU_STEPS " == *" train "* ]] && KEEP_S=$TRAIN_S
+# fairseq stops training this long before the train step's limit, then validates, saves, exports
+TRAIN_MARGIN_S=$([[ $MODE == gpu ]] && echo 90 || echo 0)
+
+step() {  # step NAME SHARE CAP COMMAND...: at most 1/SHARE of the seconds left, and CAP if > 0
+    local name=$1 share=$2 cap=$3 left limit start status
+    shift 3
+    left=$((BUDGET_S - SECONDS - KEEP_S))
     limit=$((left / share))
+    ((cap > 0 && cap < limit)) && limit=$cap
     echo "=== $name (at most ${limit} s of ${left} s left) ==="
     if ((limit < 10)); then
         STEPS+=("$name skipped 0")
@@ -120,56 +190,60 @@ step() {  # step NAME SHARE COMMAND...: run with at most 1/SHARE of the seconds 
     echo "=== $name: $status after $((SECONDS - start)) s ==="
 }
 
-echo "gpu_check $MODE: $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-if [[ $MODE == gpu ]]; then
-    # the carried wheels, --no-deps: two versions of a package would stop the whole install
-    "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site \
-        "$CARRY"/wheels/*.whl || { echo "gpu_check: installing $CARRY/wheels failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    # the same wheels checked against the GPU machine's Python (cp312) without installing them
-    "$PY" -m pip install -q --dry-run --no-index --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --target "$WORK/site" \
-        "$CARRY"/wheels/*.whl || { echo "gpu_check: $CARRY/wheels do not install on cp312"; exit 1; }
-    echo "wheels: $(ls "$CARRY"/wheels | tr '\n' ' ')"
-    export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-nvidia-smi || echo "nvidia-smi: none here"
-"$PY" -c 'import torch, fairseq; print("torch", torch.__version__, "cuda", torch.version.cuda,
-    "available", torch.cuda.is_available(), "fairseq", fairseq.__version__)' ||
-    { echo "gpu_check: torch or fairseq does not import"; exit 1; }
+run_tests() {
+    step tests 2 0 env SPEC_NMT_TEST_DEVICE=$DEVICE SPEC_NMT_TEST_SOURCE=$CARRY/data/test.de \
+        SPEC_NMT_TEST_LINES=$TEST_LINES SPEC_NMT_TEST_SAMPLES=$TEST_SAMPLES "$PY" -m pytest -q \
+        -p no:cacheprovider -p no:xdist -rfE --durations=10 --junitxml="$OUT/tests.xml" \
+        tests/test_cuda.py
+}
 
-step tests 2 env SPEC_NMT_TEST_DEVICE=$DEVICE SPEC_NMT_TEST_SOURCE=$CARRY/data/test.de \
-    SPEC_NMT_TEST_LINES=$TEST_LINES SPEC_NMT_TEST_SAMPLES=$TEST_SAMPLES "$PY" -m pytest -q -p no:cacheprovider -p no:xdist -rfE --durations=10 \
-    --junitxml="$OUT/tests.xml" tests/test_cuda.py
+run_syncs() {
+    # where the loop makes the host wait for the GPU, counted before anything is timed
+    step syncs 6 0 "$PY" benchmarks/benchmark.py syncs "$MODEL_DIR" --src "$CARRY/data/test.de" \
+        --lines "$SYNC_LINES" --batch-sizes "$SYNC_SIZES" --device "$DEVICE" --warmup-lines 1 \
+        --json "$WORK/syncs.json"
+}
 
-# where the loop makes the host wait for the GPU, counted before anything is timed
-step syncs 6 "$PY" benchmarks/benchmark.py syncs "$MODEL_DIR" --src "$CARRY/data/test.de" \
-    --lines "$SYNC_LINES" --batch-sizes "$SYNC_SIZES" --device "$DEVICE" --warmup-lines 1 \
-    --json "$WORK/syncs.json"
+run_bench() {
+    # newstest2014, every system at every batch size in each precision
+    # k = 3 is the default; 5:3:1 the sweep's pick; the beam tree 3x3 earns the most tokens per
+    # iteration, and a GPU may score its 9 entries for what it scores a chain's
+    local bench=(benchmarks/benchmark.py ceiling "$MODEL_DIR" --src "$CARRY/data/test.de"
+                 --ref "$CARRY/data/test.en" --device "$DEVICE" --warmup-lines "$WARMUP_LINES"
+                 --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1 --beam-trees 3x3)
+    local runs=("fp32 1 $BATCH1_LINES" "fp16 1 $BATCH1_LINES" "fp32 $BATCHED_SIZES $BATCHED_LINES"
+                "fp16 $BATCHED_SIZES $BATCHED_LINES")
+    local index precision sizes lines name
+    # BENCH_RUNS="PRECISION SIZES LINES;...": these runs instead, in this order
+    [[ -n ${BENCH_RUNS:-} ]] && IFS=';' read -r -a runs <<<"$BENCH_RUNS"
+    for index in "${!runs[@]}"; do
+        read -r precision sizes lines <<<"${runs[$index]}"
+        name="bench-$precision-batch-${sizes//,/-}"
+        step "$name" $((${#runs[@]} - index)) 0 "$PY" "${bench[@]}" --lines "$lines" \
+            --batch-sizes "$sizes" $([[ $precision == fp16 ]] && echo --fp16) \
+            --json "$WORK/$name.json"
+    done
+}
 
-# the benchmarks: newstest2014, every system at every batch size in each precision
-# k = 3 is the default; 5:3:1 the sweep's pick; the beam tree 3x3 earns the most tokens per
-# iteration, and a GPU may score its 9 entries for what it scores a chain's
-BENCH=(benchmarks/benchmark.py ceiling "$MODEL_DIR" --src "$CARRY/data/test.de"
-       --ref "$CARRY/data/test.en" --device "$DEVICE" --warmup-lines "$WARMUP_LINES"
-       --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1 --beam-trees 3x3)
-RUNS=("fp32 1 $BATCH1_LINES" "fp16 1 $BATCH1_LINES" "fp32 $BATCHED_SIZES $BATCHED_LINES"
-      "fp16 $BATCHED_SIZES $BATCHED_LINES")
-# BENCH_RUNS="PRECISION SIZES LINES;...": these runs instead, in this order
-[[ -n ${BENCH_RUNS:-} ]] && IFS=';' read -r -a RUNS <<<"$BENCH_RUNS"
-for index in "${!RUNS[@]}"; do
-    read -r precision sizes lines <<<"${RUNS[$index]}"
-    name="bench-$precision-batch-${sizes//,/-}"
-    step "$name" $((${#RUNS[@]} - index)) "$PY" "${BENCH[@]}" --lines "$lines" --batch-sizes "$sizes" \
-        $([[ $precision == fp16 ]] && echo --fp16) --json "$WORK/$name.json"
+run_train() {
+    local left=$((BUDGET_S - SECONDS)) seconds
+    KEEP_S=0
+    seconds=$((TRAIN_S > 0 && TRAIN_S < left ? TRAIN_S : left))
+    export WORK OUT PY TRAIN_MARGIN_S
+    step train 1 "$seconds" "$0" --train-drafter "$seconds" "$DEVICE"
+}
+
+for name in $GPU_STEPS; do
+    case $name in
+    tests | syncs | bench | train) "run_$name" ;;
+    *) echo "gpu_check: unknown step $name in GPU_STEPS (tests, syncs, bench, train)" ;;
+    esac
 done
 
 # one JSON: the steps' outcomes, the tests' counts and failures, every benchmark row
 printf '%s\n' "${STEPS[@]}" >"$WORK/steps.txt"
 "$PY" - "$WORK" "$OUT" "$MODE" <<'EOF'
-import json, subprocess, sys
+import json, re, subprocess, sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -177,7 +251,7 @@ work, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                       "--format=csv,noheader"], capture_output=True, text=True) if mode == "gpu" else None
 summary = {"mode": mode, "gpu": smi.stdout.strip() if smi else None, "steps": [], "tests": None,
-           "syncs": None, "benchmarks": {}}
+           "syncs": None, "benchmarks": {}, "training": None}
 for line in (work / "steps.txt").read_text().splitlines():
     name, status, seconds = line.split()
     summary["steps"].append({"step": name, "status": status, "seconds": int(seconds)})
@@ -191,6 +265,15 @@ if (work / "syncs.json").exists():
     summary["syncs"] = json.loads((work / "syncs.json").read_text())
 for path in sorted(work.glob("bench-*.json")):
     summary["benchmarks"][path.stem] = json.loads(path.read_text())
+if (out / "train_drafter.log").exists():
+    # each validation's line: "valid | epoch 001 | valid on 'valid' subset | loss 1.2 | ..."
+    summary["training"] = []
+    for line in (out / "train_drafter.log").read_text().splitlines():
+        if "| valid on 'valid' subset |" in line:
+            fields = dict(re.findall(r"\| (\w+) ([\d.]+)(?= \||$)", line))
+            summary["training"].append({key: float(fields[key]) for key in
+                                        ("epoch", "num_updates", "loss", "accepted_lossless")
+                                        if key in fields})
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 print("=== summary ===")
@@ -206,6 +289,8 @@ if summary["syncs"]:
     for row in summary["syncs"]["rows"]:
         print(f"  batch {row['batch_size']:>3}  {row['system']:<40} {row['syncs_per_verifier_call']:>7}"
               f" per verifier call  {row['syncs_per_output_token']:>6} per token")
+for row in summary["training"] or []:
+    print("drafter training: " + ", ".join(f"{key} {value:g}" for key, value in row.items()))
 for name, result in summary["benchmarks"].items():
     print(f"{name} ({result['lines']} lines, {result['environment'].get('gpu', 'cpu')}):")
     for row in result["rows"]:
