@@ -160,6 +160,26 @@ exec > >(tee "$OUT/gpu_check.log") 2>&1
 WORK=$(mktemp -d)
 STEPS=()  # "name status seconds" per step, for the JSON
 
+echo "gpu_check $MODE: $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+if [[ $MODE == gpu ]]; then
+    # the carried wheels, --no-deps: two versions of a package would stop the whole install
+    "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site \
+        "$CARRY"/wheels/*.whl || { echo "gpu_check: installing $CARRY/wheels failed"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    # the same wheels checked against the GPU machine's Python (cp312) without installing them
+    "$PY" -m pip install -q --dry-run --no-index --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --target "$WORK/site" \
+        "$CARRY"/wheels/*.whl || { echo "gpu_check: $CARRY/wheels do not install on cp312"; exit 1; }
+    echo "wheels: $(ls "$CARRY"/wheels | tr '\n' ' ')"
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+nvidia-smi || echo "nvidia-smi: none here"
+"$PY" -c 'import torch, fairseq; print("torch", torch.__version__, "cuda", torch.version.cuda,
+    "available", torch.cuda.is_available(), "fairseq", fairseq.__version__)' ||
+    { echo "gpu_check: torch or fairseq does not import"; exit 1; }
+
 GPU_STEPS=${GPU_STEPS:-tests syncs bench train}
 if [[ ! -d $DRAFTER_DATA ]]; then
     GPU_STEPS=${GPU_STEPS//train/}
