@@ -177,7 +177,7 @@ def main():
     parser.add_argument("--results", type=Path, default=ROOT / "results",
                         help="folder of JSON results")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "plots", help="folder for the PNG files")
-    parser.add_argument("--speed", default="bench-de-en-v4-speed.json",
+    parser.add_argument("--speed", default="bench-de-en-v6-speed.json",
                         help="the ceiling result drawn by batch size: FILE[:KEY] "
                         "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--acceptance", nargs="+", default=[], metavar="FILE",

@@ -28,11 +28,21 @@ VERIFIER_COPIES_KEY = "verifier_copies"
 def map_tied(weights: Dict[str, Tensor], convert: Callable[[str, Tensor], Tensor]):
     """``weights`` with ``convert(name, tensor)`` applied once per tensor: names that share one
     (tied embeddings and output projection) still share the result, so a saved file stores
-    it once."""
-    converted = {}
+    it once. Equal tensors count as one: fairseq saves a model trained on a GPU by moving each
+    tensor to the CPU alone, which unties them."""
+    done = []  # (tensor, its result)
+    mapped = {}
     for name, tensor in weights.items():
-        converted.setdefault((tensor.data_ptr(), tuple(tensor.shape)), convert(name, tensor))
-    return {name: converted[(t.data_ptr(), tuple(t.shape))] for name, t in weights.items()}
+        for seen, result in done:
+            if seen.shape == tensor.shape and seen.dtype == tensor.dtype and (
+                seen.data_ptr() == tensor.data_ptr() or torch.equal(seen, tensor)
+            ):
+                mapped[name] = result
+                break
+        else:
+            mapped[name] = convert(name, tensor)
+            done.append((tensor, mapped[name]))
+    return mapped
 
 
 def model_config(state) -> Optional[Any]:

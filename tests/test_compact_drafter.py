@@ -49,6 +49,27 @@ def test_the_compact_drafter_is_less_than_half_the_full_one(drafters):
     assert not any(name.startswith("encoder.") for name in state["model"])
 
 
+def test_a_tie_that_saving_from_a_gpu_broke_is_stored_once(drafters, tmp_path):
+    """fairseq moves each tensor of a GPU-trained model to the CPU alone when it saves one, so
+    the drafter's tied embedding and output projection come back as two equal tensors."""
+    model_dir, _ = drafters
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(model_dir / "drafter.pt"))
+    embedding, projection = "decoder.embed_tokens.weight", "decoder.output_projection.weight"
+    exported = {}
+    for tie in ("shared", "copied"):
+        weights = state["model"][embedding]
+        state["model"][projection] = weights if tie == "shared" else weights.clone()
+        save_checkpoint(state, tmp_path / f"{tie}.pt")
+        exported[tie] = tmp_path / f"exported-{tie}.pt"
+        script_module("export_model").compact_checkpoint(
+            tmp_path / f"{tie}.pt", exported[tie], state[DRAFT_VOCABULARY_KEY],
+            model_dir / "verifier.pt",
+        )  # fmt: skip
+    weights = torch.load(exported["copied"], weights_only=False)["model"]
+    assert weights[embedding].data_ptr() == weights[projection].data_ptr()
+    assert abs(exported["copied"].stat().st_size - exported["shared"].stat().st_size) < 4096
+
+
 @pytest.mark.parametrize("settings", [{"block_size": 3, "max_draft_batch": 0},
                                       {"block_size": 5, "beta": 3, "tau": 1.0, "max_draft_batch": 0}],
                          ids=["lossless", "top-beta"])  # fmt: skip
