@@ -64,9 +64,10 @@ def average_checkpoints(paths, out: Path) -> None:
         else:
             for name, tensor in weights.items():
                 total[name] += tensor.double()
-    state["model"] = map_tied(
-        state["model"], lambda name, tensor: (total[name] / len(paths)).to(tensor.dtype)
-    )
+    averaged = {name: (total[name] / len(paths)).to(tensor.dtype)
+                for name, tensor in state["model"].items()}  # fmt: skip
+    # tied weights have equal averages: stored once
+    state["model"] = map_tied(averaged, lambda _, tensor: tensor)
     state["last_optimizer_state"] = None
     save_checkpoint(state, out)
 

@@ -10,25 +10,28 @@
 #        scripts/gpu_check.sh --prepare [DRAFTER_DATA_BIN]
 #    fills gpu-carry/ (git-ignored) with the cp312 manylinux wheels the GPU machine lacks
 #    (ve-fairseq, hydra-core, omegaconf, antlr4-python3-runtime, bitarray, sentence-splitter)
-#    and newstest2014's first 1,000 lines (source and reference), then prints what would travel against the 64 MiB
-#    limit. DRAFTER_DATA_BIN (the bundled verifier's greedy translations, binarized: the
-#    drafter's data) adds its train and valid splits, and the run then trains.
+#    and newstest2014's first 1,000 lines (source and reference), then prints what would
+#    travel against the 64 MiB limit. DRAFTER_DATA_BIN (the bundled verifier's greedy
+#    translations, binarized: the drafter's data) adds its train and valid splits, and the run
+#    then trains.
 # 2. Here, before any GPU run: the same steps on the CPU at tiny sizes, into the folder OUT:
 #        OUT=/tmp/gpu-dry scripts/gpu_check.sh --dry-run
 # 3. On the GPU machine (the device tool's run, from the repository root, carry ["gpu-carry"]):
 #        scripts/gpu_check.sh
-#    It installs the wheels into /tmp/site, prints nvidia-smi and torch's version, runs the
-#    tests, then the benchmarks, each in its share of what is left of BUDGET_S seconds, so the
-#    log and JSON come back even when a step runs out of time.
+#    It installs the wheels into /tmp/site, prints nvidia-smi and torch's version, then runs
+#    the steps of GPU_STEPS (tests, syncs, bench, train), each in its share of what is left of
+#    BUDGET_S seconds, so the log and JSON come back even when a step runs out of time.
 #
 # Sizes (environment): TEST_LINES (lossless tests), TEST_SAMPLES (chi-square tests), SYNC_LINES
 # (lines of the syncs count), BATCH1_LINES and BATCHED_LINES (benchmark lines at batch 1 and at
-# the other batch sizes), BENCH_RUNS (the benchmark runs, as the RUNS list below), TRAIN_S (the
-# seconds kept for training, exports included), BUDGET_S. GPU_STEPS lists the steps in the
-# order they run (default "tests syncs bench train"; train needs the prepared drafter data).
+# the other batch sizes), BENCH_RUNS (the benchmark runs, as the runs list in run_bench),
+# TRAIN_S (the seconds kept for training, exports included; 0: what the steps before it leave),
+# BUDGET_S. GPU_STEPS lists the steps in the order they run (default "tests syncs bench train";
+# train needs the prepared drafter data).
 # ctranslate2 (42.8 MB) does not fit beside the wheels: the CUDA CTranslate2 rows need a run of
 # their own.
 set -uo pipefail
+SELF=$(realpath "$0")  # the train step runs this script again, from the repository root
 cd "$(dirname "$0")/.."
 CARRY=gpu-carry
 MODEL_DIR=data/models/bench-de-en
@@ -72,15 +75,15 @@ train_drafter() {
     # validated by its acceptance; then the best and the last exported as compact fp16 files.
     local seconds=$1 device=$2 save=$WORK/drafter start=$WORK/drafter-start.pt
     local verifier=$MODEL_DIR/verifier.pt which stop_hours flags=(--eval-acceptance-sentences 500)
-    # the dry run: three updates, then the epoch's validation (its loss on all of valid: most
-    # of the time)
+    # the dry run: three updates, then the epoch's validation (its loss over all of valid)
     [[ $device == cpu ]] && flags=(--cpu --max-update 3 --eval-acceptance-sentences 8)
     "$PY" scripts/unpack_drafter.py "$MODEL_DIR" "$start" || return 1
     # fairseq's clock for --stop-time-hours goes on from the start checkpoint's training time
     stop_hours=$("$PY" -c 'import sys, torch
 state = torch.load(sys.argv[1], map_location="cpu", weights_only=False)
 previous = (state.get("extra_state") or {}).get("previous_training_time", 0)
-print((previous + max(int(sys.argv[2]), 1)) / 3600)' "$start" "$((seconds - TRAIN_MARGIN_S))") || return 1
+print((previous + max(int(sys.argv[2]), 1)) / 3600)' "$start" "$((seconds - TRAIN_MARGIN_S))") ||
+        return 1
     # train_common.sh calls fairseq-train, which pip's --target install may leave off the PATH
     mkdir -p "$WORK/bin"
     printf '#!/bin/sh\nexec "%s" -c "from fairseq_cli.train import cli_main; cli_main()" "$@"\n' \
@@ -93,13 +96,17 @@ print((previous + max(int(sys.argv[2]), 1)) / 3600)' "$start" "$((seconds - TRAI
         --eval-acceptance-verifier "$verifier" --best-checkpoint-metric accepted_lossless \
         --maximize-best-checkpoint-metric --required-batch-size-multiple 1 \
         >"$OUT/train_drafter.log" 2>&1
-    echo "train_drafter: fairseq-train exited $? ($(grep -c "valid on 'valid'" "$OUT/train_drafter.log") validations)"
+    echo "train_drafter: fairseq-train exited $?," \
+        "$(grep -c "valid on 'valid'" "$OUT/train_drafter.log") validations"
     for which in best last; do
-        [[ -f $save/checkpoint_$which.pt ]] || { echo "train_drafter: no checkpoint_$which.pt"; return 1; }
+        if [[ ! -f $save/checkpoint_$which.pt ]]; then
+            echo "train_drafter: no checkpoint_$which.pt"
+            return 1
+        fi
         "$PY" scripts/export_model.py "$WORK/export-$which" --verifier "$verifier" \
             --drafter "$save/checkpoint_$which.pt" --data-bin "$DRAFTER_DATA" \
             --spm-model "$MODEL_DIR/spm.model" || return 1
-        cp "$WORK/export-$which/drafter.pt" "$OUT/drafter-$which.pt"
+        cp "$WORK/export-$which/drafter.pt" "$OUT/drafter-$which.pt" || return 1
     done
 }
 
@@ -123,7 +130,8 @@ case $MODE in
     prepare "${2:-}"
     exit
     ;;
---train-drafter)  # the train step, run by this script under its time limit (WORK, OUT, PY set)
+--train-drafter)  # the train step, run by this script under its time limit (WORK, OUT, PY,
+    # TRAIN_MARGIN_S set)
     train_drafter "$2" "$3"
     exit
     ;;
@@ -150,12 +158,14 @@ gpu)
     BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-530} TRAIN_S=${TRAIN_S:-0}
     ;;
 *)
-    echo "usage: $0 [--prepare | --dry-run]" >&2
+    echo "usage: $0 [--prepare [DRAFTER_DATA_BIN] | --dry-run]" >&2
     exit 2
     ;;
 esac
 
 mkdir -p "$OUT"
+# what a train step left here in an earlier run would pass for this run's
+rm -f "$OUT/train_drafter.log" "$OUT/drafter-best.pt" "$OUT/drafter-last.pt"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 WORK=$(mktemp -d)
 STEPS=()  # "name status seconds" per step, for the JSON
@@ -182,6 +192,8 @@ nvidia-smi || echo "nvidia-smi: none here"
 
 GPU_STEPS=${GPU_STEPS:-tests syncs bench train}
 if [[ ! -d $DRAFTER_DATA ]]; then
+    [[ " $GPU_STEPS " == *" train "* ]] &&
+        echo "gpu_check: no train step: $DRAFTER_DATA is missing (--prepare DRAFTER_DATA_BIN)"
     GPU_STEPS=${GPU_STEPS//train/}
 fi
 # seconds kept for the train step while the steps before it run
@@ -250,7 +262,7 @@ run_train() {
     KEEP_S=0
     seconds=$((TRAIN_S > 0 && TRAIN_S < left ? TRAIN_S : left))
     export WORK OUT PY TRAIN_MARGIN_S
-    step train 1 "$seconds" "$0" --train-drafter "$seconds" "$DEVICE"
+    step train 1 "$seconds" "$SELF" --train-drafter "$seconds" "$DEVICE"
 }
 
 for name in $GPU_STEPS; do
@@ -272,7 +284,7 @@ smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.tota
                       "--format=csv,noheader"], capture_output=True, text=True) if mode == "gpu" else None
 summary = {"mode": mode, "gpu": smi.stdout.strip() if smi else None, "steps": [], "tests": None,
            "syncs": None, "benchmarks": {}, "training": None}
-for line in (work / "steps.txt").read_text().splitlines():
+for line in filter(None, (work / "steps.txt").read_text().splitlines()):  # none: no step ran
     name, status, seconds = line.split()
     summary["steps"].append({"step": name, "status": status, "seconds": int(seconds)})
 if (out / "tests.xml").exists():
