@@ -275,7 +275,7 @@ done
 # one JSON: the steps' outcomes, the tests' counts and failures, every benchmark row
 printf '%s\n' "${STEPS[@]}" >"$WORK/steps.txt"
 "$PY" - "$WORK" "$OUT" "$MODE" <<'EOF'
-import json, re, subprocess, sys
+import json, subprocess, sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -298,14 +298,14 @@ if (work / "syncs.json").exists():
 for path in sorted(work.glob("bench-*.json")):
     summary["benchmarks"][path.stem] = json.loads(path.read_text())
 if (out / "train_drafter.log").exists():
-    # each validation's line: "valid | epoch 001 | valid on 'valid' subset | loss 1.2 | ..."
-    summary["training"] = []
-    for line in (out / "train_drafter.log").read_text().splitlines():
-        if "| valid on 'valid' subset |" in line:
-            fields = dict(re.findall(r"\| (\w+) ([\d.]+)(?= \||$)", line))
-            summary["training"].append({key: float(fields[key]) for key in
-                                        ("epoch", "num_updates", "loss", "accepted_lossless")
-                                        if key in fields})
+    sys.path.insert(0, "scripts")
+    from learning_curve import validations  # the model cards' reader of fairseq-train logs
+
+    summary["training"] = [
+        dict(epoch=epoch, num_updates=update,
+             **{key: float(fields[key]) for key in ("loss", "accepted_lossless") if key in fields})
+        for update, (epoch, fields) in validations([out / "train_drafter.log"])[0].items()
+    ]  # fmt: skip
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 print("=== summary ===")
