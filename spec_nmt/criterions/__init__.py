@@ -1,1 +1,1 @@
-from spec_nmt.criterions import spec_drafter_loss  # noqa: F401  (registration)
+from spec_nmt.criterions import feature_drafter_loss, spec_drafter_loss  # noqa: F401  (registration)

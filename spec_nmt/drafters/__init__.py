@@ -1,1 +1,1 @@
-from spec_nmt.drafters import cached_drafter, spec_drafter  # noqa: F401  (registration)
+from spec_nmt.drafters import cached_drafter, feature_drafter, spec_drafter  # noqa: F401  (registration)

@@ -1,0 +1,87 @@
+"""The feature drafter (EAGLE): its unrolled training computes exactly what drafting computes,
+fairseq-train trains it end to end, and the acceptance simulation accounts for every token."""
+
+import sys
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+
+from tests.conftest import OPTIMIZATION, REPO, USER_DIR, fairseq, train_losses
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from feature_drafter import Simulation, greedy_translations  # noqa: E402
+
+UNROLL = 3
+
+
+@pytest.fixture(scope="module")
+def trained(toy, tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("feature_drafter")
+    run = fairseq(
+        "train", toy["bin"], "--user-dir", USER_DIR, "--task", "translation",
+        "--arch", "feature_drafter", "--verifier-path", toy["verifier"],
+        "--unroll-steps", UNROLL, "--criterion", "feature_drafter_loss", *OPTIMIZATION,
+        "--max-update", 100, "--save-dir", save_dir,
+    )  # fmt: skip
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(save_dir / "checkpoint_last.pt")], arg_overrides={"data": str(toy["bin"])})
+    task.load_dataset("valid")
+    return models[0].eval(), task, run.stdout + run.stderr
+
+
+def test_training_lowers_the_loss_and_logs_each_step(trained):
+    _, _, log = trained
+    losses = train_losses(log)
+    assert len(losses) >= 3 and losses[-1] < losses[0]
+    assert all(f"acc{step}=" in log for step in range(1, UNROLL + 1))
+
+
+def test_unrolled_steps_equal_drafting_one_step_at_a_time(trained):
+    """Pass j at position t must be the drafter's j-th draft after a prefix verified up to
+    t - j + 1: fed the true states there, then its own predicted states one by one."""
+    model, task, _ = trained
+    dataset = task.dataset("valid")
+    sample = dataset.collater([dataset[i] for i in range(3)])
+    net_input, target = sample["net_input"], sample["target"]
+    with torch.no_grad():
+        encoder_out, states = model.verifier_states(**net_input)
+        positions = model.verifier.decoder.embed_positions(net_input["prev_output_tokens"])
+        source = model.source_keys(encoder_out)
+        unrolled = model.unrolled(states, target, positions, source)
+        for row in range(3):
+            length = int(target[row].ne(task.target_dictionary.pad()).sum())
+            one = tuple(part[row : row + 1] if part is not None else None for part in source)
+            for step in range(1, UNROLL + 1):
+                for t in range(step - 1, length):
+                    prefix_end = t - step + 1
+                    inputs = states[row : row + 1, : t + 1].clone()
+                    predicted, cache = model.extend(
+                        inputs[:, : prefix_end + 1], target[row : row + 1, : prefix_end + 1],
+                        positions[row : row + 1, : prefix_end + 1], one)
+                    for position in range(prefix_end + 1, t + 1):
+                        inputs = predicted[:, -1:]
+                        where = slice(position, position + 1)
+                        predicted, cache = model.extend(
+                            inputs, target[row : row + 1, where], positions[row : row + 1, where],
+                            one, cache)
+                    torch.testing.assert_close(predicted[0, -1], unrolled[step - 1][row, t],
+                                               rtol=1e-4, atol=1e-5)
+
+
+def test_the_simulation_accounts_for_every_token(trained):
+    model, task, _ = trained
+    dataset = task.dataset("valid")
+    indices = list(range(8))
+    with torch.no_grad():
+        translations = greedy_translations(task, model, indices, batch_size=4)
+        simulation = Simulation(model, 4, task.target_dictionary.eos())
+        for index in indices:
+            simulation.sentence(dataset[index]["source"], translations[index])
+    tokens = sum(translation.numel() for translation in translations.values())
+    assert simulation.tokens == tokens
+    assert tokens <= simulation.iterations + simulation.accepted <= tokens + len(indices)
+    summary = simulation.summary()
+    assert summary["positions_judged"][0] == simulation.iterations - len(indices)
+    assert all(later <= earlier for earlier, later in
+               zip(summary["positions_judged"], summary["positions_judged"][1:]))
