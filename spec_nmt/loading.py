@@ -15,6 +15,7 @@ from spec_nmt.checkpoint_loading import checkpoint_arch
 from spec_nmt.compact_drafter import with_verifier_copies
 from spec_nmt.drafters.ar_drafter import ArDrafter
 from spec_nmt.drafters.cached_drafter import same_weights
+from spec_nmt.drafters.feature_drafter import FeatureDrafterModel
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel, restrict_output
 from spec_nmt.errors import SpecNmtError
 
@@ -29,13 +30,16 @@ def load_drafter(task, path: str, verifier_model):
     Transformer translation model (autoregressive drafter); returns its decoding adapter."""
     state = with_verifier_copies(read_checkpoint("--drafter-path", path), verifier_model, path)
     arch = checkpoint_arch(state)
+    if arch == "feature_drafter":
+        model = FeatureDrafterModel.beside(state, path, verifier_model)
+        return model.decoding_adapter(task.target_dictionary.pad(), task.target_dictionary.eos())
     autoregressive = arch is not None and arch.startswith("transformer")
     if not (is_nar_drafter(state) or autoregressive):
         raise SpecNmtError(
-            f"--drafter-path {path} is neither a Spec-Drafter, a cached drafter nor "
-            f"a Transformer checkpoint (arch {arch}); train one with --task spec_translation "
-            "--arch spec_drafter_small or cached_drafter_small, or with "
-            "--task translation --arch transformer"
+            f"--drafter-path {path} is neither a Spec-Drafter, a cached drafter, a feature "
+            f"drafter nor a Transformer checkpoint (arch {arch}); train one with --task "
+            "spec_translation --arch spec_drafter_small or cached_drafter_small, or with "
+            "--task translation --arch feature_drafter or transformer"
         )
     if autoregressive:
         embeddings = state["model"].get("decoder.embed_tokens.weight")

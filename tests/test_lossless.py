@@ -151,7 +151,7 @@ class OracleDrafter:
     def max_source_positions(self):
         return 1024
 
-    def start(self, net_input, verifier_encoder_out):
+    def start(self, net_input, verifier_encoder_out, verifier_state=None):
         return {"rows": torch.arange(self.greedy.size(0))}  # original row of each state row
 
     def propose(self, state, tokens, lengths, plan, generator):

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Optional, Protocol
 import torch
 from torch import Tensor
 
+from spec_nmt.decoding.scorer import ScorerState
 from spec_nmt.decoding.tree import (
     DraftTree,
     beam_step,
@@ -32,8 +33,10 @@ class Drafter(Protocol):
     def max_source_positions(self) -> int:
         """Source tokens it accepts."""
 
-    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> Any:
-        """The state for a batch (``verifier_encoder_out``: the verifier's encoder output)."""
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict,
+              verifier_state: Optional[ScorerState] = None) -> Any:  # fmt: skip
+        """The state for a batch (``verifier_encoder_out``: the verifier's encoder output;
+        ``verifier_state``: the verifier's scorer state for the batch)."""
 
     def propose(self, state, tokens: Tensor, lengths: Tensor, plan: DraftPlan,
                 generator: Optional[torch.Generator]) -> DraftTree:  # fmt: skip
@@ -146,7 +149,8 @@ class NoDrafter:
     def max_source_positions(self) -> int:
         return sys.maxsize  # it reads no source: any the verifier takes
 
-    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> None:
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict,
+              verifier_state: Optional[ScorerState] = None) -> None:  # fmt: skip
         return None
 
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:

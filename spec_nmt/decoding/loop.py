@@ -163,10 +163,11 @@ class SpeculativeGenerator:
         tokens[:, 0] = self.eos
         token_scores = torch.zeros(bsz, width + 1 + slack, device=src_tokens.device)
         encoder_out = self.verifier.encode(net_input)
+        verifier_state = self.verifier.start(net_input, encoder_out)
         batch = BatchDecoding(
             drafter=drafter, plan=plan, finalized=[[] for _ in range(bsz)],
-            verifier_state=self.verifier.start(net_input, encoder_out),
-            drafter_state=drafter.start(net_input, encoder_out),
+            verifier_state=verifier_state,
+            drafter_state=drafter.start(net_input, encoder_out, verifier_state),
             position_limit=drafter.max_positions() - 1,
             rows=BatchRows.start(tokens, token_scores, max_lens),
         )  # fmt: skip

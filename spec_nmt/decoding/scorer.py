@@ -58,6 +58,10 @@ class ScorerState:
         self.uncommitted = 0  # block entries scored since the last commit (every row alike)
         self.keys: List[Tensor] = []  # per layer [B, heads, capacity, head_dim]
         self.values: List[Tensor] = []
+        # a drafter that reads the verifier's last decoder states (the feature drafter) asks
+        # for each scored block's: [B, W, C], what the output projection read
+        self.keep_block_states = False
+        self.block_states: Optional[Tensor] = None
 
     @property
     def capacity(self) -> int:
@@ -187,6 +191,8 @@ class BlockScorer:
         else:
             x = self._module_layers(state, x, span, bias, lowest if uniform else None,
                                     None if uniform else slots)  # fmt: skip
+        if state.keep_block_states:
+            state.block_states = x
         if outputs is not None:
             x = x[:, width - outputs :]
         # the decoder's output_layer without an adaptive softmax (check_supported)

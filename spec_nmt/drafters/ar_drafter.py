@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from spec_nmt.decoding.drafter import grow_tree
-from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.decoding.scorer import BlockScorer, ScorerState
 from spec_nmt.decoding.tree import DraftTree
 from spec_nmt.settings import DraftPlan
 
@@ -30,7 +30,8 @@ class ArDrafter:
     def max_source_positions(self) -> int:
         return self.scorer.model.encoder.max_positions()
 
-    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict):
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict,
+              verifier_state: Optional[ScorerState] = None):  # fmt: skip
         return self.scorer.start(net_input)
 
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:

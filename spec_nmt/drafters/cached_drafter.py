@@ -220,7 +220,8 @@ class CachedDrafter(NarDrafter):
                                           drafter=True, project=PackedLinears(model.decoder))
         self._visibility: Dict[Tuple[int, int, torch.device], Tensor] = {}
 
-    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> ScorerState:
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict,
+              verifier_state: Optional[ScorerState] = None) -> ScorerState:  # fmt: skip
         return self.scorer.start(net_input, encoder_out=verifier_encoder_out)
 
     def position_logits(self, cache: ScorerState, tokens: Tensor, lengths: Tensor, k: int):

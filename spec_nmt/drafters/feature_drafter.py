@@ -19,7 +19,13 @@ from fairseq.models import BaseFairseqModel, register_model, register_model_arch
 from fairseq.models.transformer import TransformerModel
 from torch import Tensor, nn
 
+from spec_nmt.checkpoint_loading import model_config
+from spec_nmt.decoding.drafter import grow_tree, no_drafts
+from spec_nmt.decoding.scorer import ScorerState
+from spec_nmt.decoding.tree import DraftTree
+from spec_nmt.drafters.cached_drafter import same_weights
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.settings import DraftPlan
 
 
 @register_model("feature_drafter")
@@ -63,6 +69,30 @@ class FeatureDrafterModel(BaseFairseqModel):
             raise SpecNmtError("the feature drafter needs --verifier-path VERIFIER.pt")
         models, _ = checkpoint_utils.load_model_ensemble([args.verifier_path], task=task)
         return cls(models[0].float(), args.unroll_steps, args.dropout)
+
+    @classmethod
+    def beside(cls, state, path: str, verifier) -> "FeatureDrafterModel":
+        """The drafter of checkpoint ``state`` (read from ``path``) around the loaded
+        ``verifier``, which must be the verifier it was trained for."""
+        config = model_config(state)
+        model = cls(verifier, config.unroll_steps, config.dropout)
+        theirs = verifier.state_dict()
+        own = {}
+        for name, value in state["model"].items():
+            if not name.startswith("verifier."):
+                own[name] = value
+            elif not same_weights(theirs[name[len("verifier."):]], value):
+                raise SpecNmtError(
+                    f"--drafter-path {path}: the feature drafter was trained for another "
+                    f"verifier ({name[len('verifier.'):]} differs): it decodes only with the "
+                    "verifier given to --verifier-path"
+                )
+        reference = next(verifier.parameters())
+        model.load_state_dict(dict(model.state_dict(), **own))
+        return model.to(device=reference.device, dtype=reference.dtype).eval()
+
+    def decoding_adapter(self, pad: int, eos: int) -> "FeatureDrafter":
+        return FeatureDrafter(self, pad, eos)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -179,3 +209,145 @@ class FeatureDrafterModel(BaseFairseqModel):
 def feature_drafter_architecture(args):
     args.unroll_steps = getattr(args, "unroll_steps", 3)
     args.dropout = getattr(args, "dropout", 0.1)
+
+
+class FeatureDraftState:
+    """A batch's drafting state: the drafter layer's cache of true inputs (keys and values
+    [B, heads, L, d]; a row's entries may have gaps, which ``valid`` [B, L] marks), each row's
+    count of positions fed, and the verifier's states of the entries it kept at its last commit
+    (with their count per row), to be fed next."""
+
+    def __init__(self, verifier_state: ScorerState, source, batch: int, device: torch.device):
+        self.verifier_state = verifier_state
+        self.source = source
+        self.keys: Optional[Tensor] = None
+        self.values: Optional[Tensor] = None
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.fed = torch.zeros(batch, dtype=torch.long, device=device)
+        self.new_states: Optional[Tensor] = None  # [B, n, C]
+        self.new_counts: Optional[Tensor] = None  # [B]
+
+
+class FeatureDrafter:
+    """The decoding loop's adapter of a feature drafter: a chain of k drafts per iteration, one
+    drafter step each, after feeding the verifier's states of the newly verified positions."""
+
+    def __init__(self, model: FeatureDrafterModel, pad: int, eos: int):
+        self.model, self.pad, self.eos = model, pad, eos
+        self.symbols = len(model.verifier.decoder.dictionary)
+        self._positions: Optional[Tensor] = None
+
+    def max_positions(self) -> int:
+        return self.model.verifier.decoder.max_positions()
+
+    def max_source_positions(self) -> int:
+        return self.model.verifier.encoder.max_positions()
+
+    def check_depth(self, depth: int) -> None:
+        """Any depth: each draft is one more step."""
+
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict,
+              verifier_state: Optional[ScorerState] = None) -> FeatureDraftState:  # fmt: skip
+        if verifier_state is None:
+            raise SpecNmtError("the feature drafter reads the verifier's states: give it the "
+                               "verifier's scorer state")
+        verifier_state.keep_block_states = True
+        encoded = verifier_encoder_out["encoder_out"][0]
+        return FeatureDraftState(verifier_state, self.model.source_keys(verifier_encoder_out),
+                                 encoded.size(1), encoded.device)
+
+    def position_embeddings(self, positions: Tensor) -> Tensor:
+        """The verifier's position embeddings [B, n, C] of decoder positions [B, n]."""
+        needed = int(positions.max()) + 1
+        if self._positions is None or self._positions.size(0) < needed:
+            length = max(needed, 256)
+            dummy = positions.new_full((1, length), self.eos)
+            self._positions = self.model.verifier.decoder.embed_positions(dummy)[0]
+        return self._positions[positions]
+
+    def propose(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
+                plan: DraftPlan, generator) -> DraftTree:  # fmt: skip
+        if not plan.is_chain:
+            raise SpecNmtError("the feature drafter drafts chains only: drop --tree-branching "
+                               "and --tree-budget")
+        if state.new_counts is None:  # the first iteration: no verifier state to draft from
+            return no_drafts(tokens, self.symbols, plan.sample)
+        model = self.model
+        predicted = None
+        last_position = None
+
+        def expand(level_tokens: Tensor, _visible, depth: int) -> Tensor:
+            nonlocal predicted, last_position, keys, values, valid
+            if depth == 0:
+                predicted, last_position = self._feed_verified(state, tokens, lengths)
+                keys, values, valid = state.keys, state.values, state.valid
+            elif depth == plan.depth:  # the leaves' children are never drafted
+                return level_tokens.new_full((level_tokens.size(0), 1, self.symbols),
+                                             float("-inf"), dtype=torch.float)
+            else:
+                position = (last_position + depth).unsqueeze(1)
+                x = model.embed(predicted, level_tokens, self.position_embeddings(position))
+                queries, k, v = model.queries_keys_values(x)
+                keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+                valid = torch.cat([valid, valid.new_ones(valid.size(0), 1)], dim=1)
+                predicted = model.finish(x, queries, keys, values, valid[:, None, None, :],
+                                         state.source)
+            logits = model.logits(predicted).float()
+            logits[:, :, self.pad] = float("-inf")
+            return torch.log_softmax(logits, dim=-1)
+
+        keys = values = valid = None
+        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
+
+    def _feed_verified(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor):
+        """Feed each row the verifier's states kept at the last commit with the tokens they
+        chose (the newly verified tokens, the pending one last) into the cache; returns the
+        drafter's predicted state after the pending token [B, 1, C] and its position [B]."""
+        model, counts = self.model, state.new_counts
+        batch, width = state.new_states.shape[:2]
+        order = torch.arange(width, device=tokens.device)
+        real = order < counts.unsqueeze(1)  # [B, width]
+        chosen = (lengths - counts + 1).unsqueeze(1) + order
+        new_tokens = tokens.gather(1, chosen.clamp(0, tokens.size(1) - 1)).masked_fill(~real,
+                                                                                       self.pad)
+        positions = state.fed.unsqueeze(1) + order
+        x = model.embed(state.new_states, new_tokens, self.position_embeddings(positions))
+        queries, k, v = model.queries_keys_values(x)
+        cached = state.valid.size(1)
+        if state.keys is not None:
+            k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
+        valid = torch.cat([state.valid, real], dim=1)  # [B, L + width]
+        causal = torch.ones(width, cached + width, dtype=torch.bool,
+                            device=tokens.device).tril(cached)
+        # a padding entry sees itself too: no query without a key
+        itself = torch.zeros_like(causal)
+        itself[order, cached + order] = True
+        visible = (valid.unsqueeze(1) & causal) | itself  # [B, width, L + width]
+        out = model.finish(x, queries, k, v, visible.unsqueeze(1), state.source)
+        state.keys, state.values, state.valid = k, v, valid
+        last = (counts - 1).clamp(min=0)
+        state.fed = state.fed + counts
+        predicted = out[torch.arange(batch, device=out.device), last].unsqueeze(1)
+        return predicted, state.fed - 1
+
+    def commit(self, state: FeatureDraftState, keep: Optional[Tensor], n_keep: Tensor) -> None:
+        """The verifier's states of the kept entries are fed with the next proposal."""
+        states = state.verifier_state.block_states
+        if keep is not None:
+            states = states.gather(1, keep.unsqueeze(2).expand(-1, -1, states.size(2)))
+        state.new_states = states[:, : max(int(n_keep.max()), 1)]
+        state.new_counts = n_keep
+
+    def select_rows(self, state: FeatureDraftState, rows: Tensor) -> None:
+        keys, values, source_visible = state.source
+        state.source = (keys.index_select(0, rows), values.index_select(0, rows),
+                        None if source_visible is None else source_visible.index_select(0, rows))
+        if state.keys is not None:
+            state.keys = state.keys.index_select(0, rows)
+            state.values = state.values.index_select(0, rows)
+        state.valid = state.valid.index_select(0, rows)
+        state.fed = state.fed.index_select(0, rows)
+        if state.new_counts is not None:
+            state.new_states = state.new_states.index_select(0, rows)
+            state.new_counts = state.new_counts.index_select(0, rows)

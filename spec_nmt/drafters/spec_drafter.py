@@ -305,7 +305,8 @@ class NarDrafter:
     def max_source_positions(self) -> int:
         return self.model.encoder.max_positions()
 
-    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict) -> Dict:
+    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict,
+              verifier_state=None) -> Dict:  # fmt: skip
         return self.model.encoder.forward_torchscript(net_input)
 
     def position_logits(self, encoder_out: Dict, tokens: Tensor, lengths: Tensor, k: int):
