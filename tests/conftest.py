@@ -161,6 +161,12 @@ def build_toy(root):
         "--eval-acceptance-verifier", verifier, "--beta", 3, "--tau", 1,
         "--best-checkpoint-metric", "accepted_lossless", "--maximize-best-checkpoint-metric",
     )  # fmt: skip
+    feature_log = fairseq(
+        "train", data_bin, "--user-dir", USER_DIR, "--task", "translation",
+        "--arch", "feature_drafter", "--verifier-path", verifier, "--unroll-steps", 3,
+        "--criterion", "feature_drafter_loss", *OPTIMIZATION, "--max-update", 150,
+        "--save-dir", root / "feature_drafter",
+    )  # fmt: skip
     return {
         "root": root,
         "raw": raw,
@@ -174,4 +180,6 @@ def build_toy(root):
         "drafter_log": drafter_log.stdout + drafter_log.stderr,
         "untrained_drafter": root / "untrained_drafter" / "checkpoint_last.pt",
         "ar_drafter": root / "ar_drafter" / "checkpoint_last.pt",
+        "feature_drafter": root / "feature_drafter" / "checkpoint_last.pt",
+        "feature_drafter_log": feature_log.stdout + feature_log.stderr,
     }

@@ -1,5 +1,6 @@
 """The feature drafter (EAGLE): its unrolled training computes exactly what drafting computes,
-fairseq-train trains it end to end, and the acceptance simulation accounts for every token."""
+fairseq-train trains it end to end, the acceptance simulation accounts for every token, and the
+decoding loop accepts what the simulation accepts (stock fairseq greedy: test_lossless.py)."""
 
 import sys
 
@@ -7,27 +8,25 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from tests.conftest import OPTIMIZATION, REPO, USER_DIR, fairseq, train_losses
+from spec_nmt.decoding.loop import SpeculativeGenerator
+from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.loading import load_drafter
+from spec_nmt.settings import DecodingSettings
+from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
+from tests.conftest import REPO, train_losses
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from feature_drafter import Simulation, greedy_translations  # noqa: E402
 
-UNROLL = 3
+UNROLL = 3  # as conftest trains it
 
 
 @pytest.fixture(scope="module")
-def trained(toy, tmp_path_factory):
-    save_dir = tmp_path_factory.mktemp("feature_drafter")
-    run = fairseq(
-        "train", toy["bin"], "--user-dir", USER_DIR, "--task", "translation",
-        "--arch", "feature_drafter", "--verifier-path", toy["verifier"],
-        "--unroll-steps", UNROLL, "--criterion", "feature_drafter_loss", *OPTIMIZATION,
-        "--max-update", 100, "--save-dir", save_dir,
-    )  # fmt: skip
+def trained(toy):
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [str(save_dir / "checkpoint_last.pt")], arg_overrides={"data": str(toy["bin"])})
+        [str(toy["feature_drafter"])], arg_overrides={"data": str(toy["bin"])})
     task.load_dataset("valid")
-    return models[0].eval(), task, run.stdout + run.stderr
+    return models[0].eval(), task, toy["feature_drafter_log"]
 
 
 def test_training_lowers_the_loss_and_logs_each_step(trained):
@@ -85,3 +84,37 @@ def test_the_simulation_accounts_for_every_token(trained):
     assert summary["positions_judged"][0] == simulation.iterations - len(indices)
     assert all(later <= earlier for earlier, later in
                zip(summary["positions_judged"], summary["positions_judged"][1:]))
+
+
+@pytest.mark.parametrize("sentences_per_batch", [1, 8])
+def test_the_loop_accepts_what_the_simulation_accepts(toy, trained, sentences_per_batch):
+    """Decoding with the drafter's cache (rows of a batch feeding unequal counts, so with gaps)
+    accepts, sentence by sentence, what drafting from scratch accepts, and its output is the
+    verifier's greedy translation."""
+    model, task, _ = trained
+    cfg = SpecTranslationConfig(
+        data=str(toy["bin"]), source_lang="de", target_lang="en", block_size=4,
+        max_draft_batch=0, dataset_impl="mmap", required_seq_len_multiple=1,
+    )  # fmt: skip
+    spec_task = SpecTranslationTask.setup_task(cfg)
+    spec_task.load_dataset("valid")
+    dataset = spec_task.dataset("valid")
+    verifier = model.verifier
+    drafter = load_drafter(spec_task, str(toy["feature_drafter"]), verifier)
+    generator = SpeculativeGenerator(
+        BlockScorer(verifier), drafter, spec_task.target_dictionary,
+        DecodingSettings(block_size=4, max_draft_batch=0, max_len_a=0, max_len_b=200))
+    indices = list(range(16))
+    with torch.no_grad():
+        greedy = greedy_translations(task, model, indices, batch_size=16)
+        for start in range(0, len(indices), sentences_per_batch):
+            batch = indices[start : start + sentences_per_batch]
+            sample = dataset.collater([dataset[i] for i in batch])
+            decoded = generator.generate([verifier], sample)
+            for index, hypotheses in zip(sample["id"].tolist(), decoded):
+                assert hypotheses[0]["tokens"].tolist() == greedy[index].tolist()
+                simulation = Simulation(model, 4, spec_task.target_dictionary.eos())
+                simulation.sentence(dataset[index]["source"], greedy[index])
+                assert hypotheses[0]["spec_accepted_tokens"] == simulation.accepted
+                assert hypotheses[0]["spec_iterations"] == simulation.iterations
+    assert generator.stats.accepted_tokens > 0

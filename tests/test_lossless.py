@@ -66,7 +66,7 @@ def stock_greedy(toy):
 @pytest.mark.parametrize("batch_size", [1, 16])
 @pytest.mark.parametrize(
     "drafter",
-    ["drafter", "untrained_drafter", "ar_drafter", "cached_drafter"],
+    ["drafter", "untrained_drafter", "ar_drafter", "cached_drafter", "feature_drafter"],
 )
 def test_generate_is_identical_to_stock_greedy(toy, stock_greedy, drafter, batch_size):
     output = generate(toy, batch_size, drafter)
