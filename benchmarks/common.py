@@ -216,7 +216,7 @@ class OracleDrafter(NoDrafter):
         self.continuations = continuations  # source tokens (tuple) -> greedy output with EOS
         self.pad, self.eos = dictionary.pad(), dictionary.eos()
 
-    def start(self, net_input, verifier_encoder_out):
+    def start(self, net_input, verifier_encoder_out, verifier_state=None):
         sources = net_input["src_tokens"]
         outputs = [self.continuations[tuple(row[row.ne(self.pad)].tolist())] for row in sources]
         known = sources.new_full((len(outputs), max(map(len, outputs)) + 1), self.eos)

@@ -184,11 +184,13 @@ def position_table(decoder, length: int) -> Tensor:
     return decoder.embed_positions(dummy)[0]
 
 
-def embed(decoder, tokens: Tensor, positions: Tensor, table: Optional[Tensor] = None) -> Tensor:
+def embed(decoder, tokens: Tensor, positions: Tensor, table: Optional[Tensor] = None,
+          inputs: Optional[Tensor] = None) -> Tensor:  # fmt: skip
     """Decoder input [W, B, C] for tokens [B, W] at 0-based positions [B, W] (or [W]).
     ``table`` is a position table built earlier (decoding); without it one is built now, so
-    learned positions get their gradient (training)."""
-    x = decoder.embed_scale * decoder.embed_tokens(tokens)
+    learned positions get their gradient (training). ``inputs`` [B, W, C]: the entries' vectors
+    in place of the tokens' scaled embeddings (the feature drafter's)."""
+    x = decoder.embed_scale * decoder.embed_tokens(tokens) if inputs is None else inputs
     if decoder.quant_noise is not None:
         x = decoder.quant_noise(x)
     if decoder.project_in_dim is not None:

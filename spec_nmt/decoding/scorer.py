@@ -145,6 +145,7 @@ class BlockScorer:
         depths: Optional[Tensor] = None,  # [W] or [B, W]; default 0 .. W-1
         visible: Optional[Tensor] = None,  # [B or 1, W, U+W] bool over uncommitted entries
         outputs: Optional[int] = None,  # logits for the last ``outputs`` entries only
+        inputs: Optional[Tensor] = None,  # [B, W, C] in place of the tokens' embeddings
     ) -> Tensor:
         """Float logits [B, W, V] (temperature applied) of the next token after each of the W
         block inputs (or the last ``outputs`` of them): a fresh tensor the caller may change
@@ -170,7 +171,7 @@ class BlockScorer:
         lowest, highest = value_range(first_slot)
         span = highest + width
         x = block_forward.embed(dec, block_tokens, state.fed_lengths.unsqueeze(1) + depths,
-                                self._positions(span))
+                                self._positions(span), inputs)
         self._reserve(state, span, x)
         uniform = lowest == highest  # always at batch 1
         bias = _attention_bias(state, visible, lowest if uniform else None, span, x.dtype)

@@ -12,16 +12,19 @@ The verifier inside the model is frozen; only the drafter's layer trains.
 
 from typing import Dict, List, Optional, Tuple
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from fairseq import checkpoint_utils
 from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
-from fairseq.models.transformer import TransformerModel
+from fairseq.models.transformer import TransformerDecoderBase, TransformerModel
 from torch import Tensor, nn
 
 from spec_nmt.checkpoint_loading import model_config
 from spec_nmt.decoding.drafter import grow_tree, no_drafts
-from spec_nmt.decoding.scorer import ScorerState
+from spec_nmt.decoding.linears import PackedLinears
+from spec_nmt.decoding.scorer import BlockScorer, ScorerState, value_range
 from spec_nmt.decoding.tree import DraftTree
 from spec_nmt.drafters.cached_drafter import same_weights
 from spec_nmt.errors import SpecNmtError
@@ -90,6 +93,42 @@ class FeatureDrafterModel(BaseFairseqModel):
         reference = next(verifier.parameters())
         model.load_state_dict(dict(model.state_dict(), **own))
         return model.to(device=reference.device, dtype=reference.dtype).eval()
+
+    def decoding_decoder(self) -> TransformerDecoderBase:
+        """The drafter's layer as a one-layer fairseq decoder (the same computation: a pre-norm
+        layer, then the final norm) on the verifier's embeddings and output projection, for
+        the block scorer, which gives it its input vectors."""
+        verifier = self.verifier.decoder
+        cfg = copy.deepcopy(verifier.cfg)
+        # the layer's own computation, whatever the verifier's layout
+        cfg.decoder.layers, cfg.decoder.normalize_before, cfg.no_decoder_final_norm = 1, True, False
+        cfg.activation_fn, cfg.layernorm_embedding = "relu", False
+        decoder = TransformerDecoderBase(cfg, verifier.dictionary, verifier.embed_tokens,
+                                         output_projection=verifier.output_projection)
+        decoder.embed_positions = verifier.embed_positions
+        weights = {"layer_norm": self.final_norm, "layers.0.self_attn_layer_norm": self.self_norm,
+                   "layers.0.self_attn.out_proj": self.self_out,
+                   "layers.0.encoder_attn_layer_norm": self.source_norm,
+                   "layers.0.encoder_attn.q_proj": self.source_q,
+                   "layers.0.encoder_attn.out_proj": self.source_out,
+                   "layers.0.final_layer_norm": self.ffn_norm,
+                   "layers.0.fc1": self.ffn[0], "layers.0.fc2": self.ffn[3]}
+        state = {f"{name}.{key}": value for name, module in weights.items()
+                 for key, value in module.state_dict().items()}
+        for fused, names in ((self.self_qkv, ("self_attn.q_proj", "self_attn.k_proj",
+                                              "self_attn.v_proj")),
+                             (self.source_kv, ("encoder_attn.k_proj", "encoder_attn.v_proj"))):
+            for key, value in fused.state_dict().items():
+                for name, part in zip(names, value.chunk(len(names))):
+                    state[f"layers.0.{name}.{key}"] = part
+        missing = [name for name in decoder.state_dict() if name not in state
+                   and not name.startswith(("embed_tokens.", "output_projection.",
+                                            "embed_positions.", "version"))]
+        if missing:
+            raise SpecNmtError(f"the feature drafter's layer lacks {missing} of a fairseq layer")
+        torch.nn.Module.load_state_dict(decoder, state, strict=False)
+        reference = next(self.parameters())
+        return decoder.to(device=reference.device, dtype=reference.dtype).eval()
 
     def decoding_adapter(self, pad: int, eos: int) -> "FeatureDrafter":
         return FeatureDrafter(self, pad, eos)
@@ -212,33 +251,32 @@ def feature_drafter_architecture(args):
 
 
 class FeatureDraftState:
-    """A batch's drafting state: the drafter layer's cache of true inputs (keys and values
-    [B, heads, L, d]; a row's entries may have gaps, which ``valid`` [B, L] marks), each row's
-    count of positions fed, and the verifier's states of the entries it kept at its last commit
-    (with their count per row), to be fed next."""
+    """A batch's drafting state: the drafter's scorer state (its cache holds the true inputs
+    of the verified prefix, up to the pending token) and the verifier's states of the entries
+    the verifier kept at its last commit, with their count per row, to be fed next."""
 
-    def __init__(self, verifier_state: ScorerState, source, batch: int, device: torch.device):
+    def __init__(self, verifier_state: ScorerState, drafter_state: ScorerState):
         self.verifier_state = verifier_state
-        self.source = source
-        self.keys: Optional[Tensor] = None
-        self.values: Optional[Tensor] = None
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
-        self.fed = torch.zeros(batch, dtype=torch.long, device=device)
+        self.drafter_state = drafter_state
         self.new_states: Optional[Tensor] = None  # [B, n, C]
         self.new_counts: Optional[Tensor] = None  # [B]
 
 
 class FeatureDrafter:
     """The decoding loop's adapter of a feature drafter: a chain of k drafts per iteration, one
-    drafter step each, after feeding the verifier's states of the newly verified positions."""
+    drafter step each, after feeding the verifier's states of the newly verified positions. The
+    drafter's layer runs on the block scorer as a one-layer decoder whose inputs are given."""
 
     def __init__(self, model: FeatureDrafterModel, pad: int, eos: int):
         self.model, self.pad, self.eos = model, pad, eos
         self.symbols = len(model.verifier.decoder.dictionary)
-        self._positions: Optional[Tensor] = None
+        decoder = model.decoding_decoder()
+        self.scorer = BlockScorer(DecodingModel(decoder, model.verifier.encoder),
+                                  role="the feature drafter (--drafter-path)", drafter=True,
+                                  project=PackedLinears(decoder))  # fmt: skip
 
     def max_positions(self) -> int:
-        return self.model.verifier.decoder.max_positions()
+        return self.scorer.max_positions()
 
     def max_source_positions(self) -> int:
         return self.model.verifier.encoder.max_positions()
@@ -252,18 +290,15 @@ class FeatureDrafter:
             raise SpecNmtError("the feature drafter reads the verifier's states: give it the "
                                "verifier's scorer state")
         verifier_state.keep_block_states = True
-        encoded = verifier_encoder_out["encoder_out"][0]
-        return FeatureDraftState(verifier_state, self.model.source_keys(verifier_encoder_out),
-                                 encoded.size(1), encoded.device)
+        drafter_state = self.scorer.start(net_input, encoder_out=verifier_encoder_out)
+        drafter_state.keep_block_states = True
+        return FeatureDraftState(verifier_state, drafter_state)
 
-    def position_embeddings(self, positions: Tensor) -> Tensor:
-        """The verifier's position embeddings [B, n, C] of decoder positions [B, n]."""
-        needed = int(positions.max()) + 1
-        if self._positions is None or self._positions.size(0) < needed:
-            length = max(needed, 256)
-            dummy = positions.new_full((1, length), self.eos)
-            self._positions = self.model.verifier.decoder.embed_positions(dummy)[0]
-        return self._positions[positions]
+    def inputs(self, states: Tensor, tokens: Tensor) -> Tensor:
+        """The layer's input vectors [B, n, C] before positions: each state with its token."""
+        decoder = self.model.verifier.decoder
+        embedded = decoder.embed_scale * decoder.embed_tokens(tokens)
+        return self.model.combine(torch.cat([states, embedded.to(states.dtype)], dim=-1))
 
     def propose(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
                 plan: DraftPlan, generator) -> DraftTree:  # fmt: skip
@@ -272,64 +307,59 @@ class FeatureDrafter:
                                "and --tree-budget")
         if state.new_counts is None:  # the first iteration: no verifier state to draft from
             return no_drafts(tokens, self.symbols, plan.sample)
-        model = self.model
-        predicted = None
-        last_position = None
+        cache = state.drafter_state
+        predicted: Optional[Tensor] = None
 
         def expand(level_tokens: Tensor, _visible, depth: int) -> Tensor:
-            nonlocal predicted, last_position, keys, values, valid
-            if depth == 0:
-                predicted, last_position = self._feed_verified(state, tokens, lengths)
-                keys, values, valid = state.keys, state.values, state.valid
-            elif depth == plan.depth:  # the leaves' children are never drafted
+            nonlocal predicted
+            if depth == plan.depth:  # the leaves' children are never drafted
                 return level_tokens.new_full((level_tokens.size(0), 1, self.symbols),
                                              float("-inf"), dtype=torch.float)
+            if depth == 0:
+                logits, predicted = self._feed_verified(state, tokens, lengths)
             else:
-                position = (last_position + depth).unsqueeze(1)
-                x = model.embed(predicted, level_tokens, self.position_embeddings(position))
-                queries, k, v = model.queries_keys_values(x)
-                keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-                valid = torch.cat([valid, valid.new_ones(valid.size(0), 1)], dim=1)
-                predicted = model.finish(x, queries, keys, values, valid[:, None, None, :],
-                                         state.source)
-            logits = model.logits(predicted).float()
+                # draft d sits after the pending token's entry and the d - 1 drafts before it
+                depths = torch.full((1,), depth - 1, device=level_tokens.device)
+                logits = self.scorer.score_logits(cache, level_tokens, depths,
+                                                  inputs=self.inputs(predicted, level_tokens))
+                predicted = cache.block_states
             logits[:, :, self.pad] = float("-inf")
-            return torch.log_softmax(logits, dim=-1)
+            return torch.log_softmax(logits, dim=-1) if plan.sample else logits
 
-        keys = values = valid = None
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
-        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
+        tree = grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
+        self.scorer.commit(cache, None, torch.zeros_like(lengths))  # drop the drafted entries
+        return tree
 
     def _feed_verified(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor):
-        """Feed each row the verifier's states kept at the last commit with the tokens they
+        """Feed each row the verifier's states kept at its last commit with the tokens they
         chose (the newly verified tokens, the pending one last) into the cache; returns the
-        drafter's predicted state after the pending token [B, 1, C] and its position [B]."""
-        model, counts = self.model, state.new_counts
-        batch, width = state.new_states.shape[:2]
+        logits [B, 1, V] and the predicted state [B, 1, C] after the pending token."""
+        cache, counts = state.drafter_state, state.new_counts
+        width = state.new_states.size(1)
         order = torch.arange(width, device=tokens.device)
-        real = order < counts.unsqueeze(1)  # [B, width]
         chosen = (lengths - counts + 1).unsqueeze(1) + order
-        new_tokens = tokens.gather(1, chosen.clamp(0, tokens.size(1) - 1)).masked_fill(~real,
-                                                                                       self.pad)
-        positions = state.fed.unsqueeze(1) + order
-        x = model.embed(state.new_states, new_tokens, self.position_embeddings(positions))
-        queries, k, v = model.queries_keys_values(x)
-        cached = state.valid.size(1)
-        if state.keys is not None:
-            k, v = torch.cat([state.keys, k], dim=2), torch.cat([state.values, v], dim=2)
-        valid = torch.cat([state.valid, real], dim=1)  # [B, L + width]
-        causal = torch.ones(width, cached + width, dtype=torch.bool,
-                            device=tokens.device).tril(cached)
-        # a padding entry sees itself too: no query without a key
-        itself = torch.zeros_like(causal)
-        itself[order, cached + order] = True
-        visible = (valid.unsqueeze(1) & causal) | itself  # [B, width, L + width]
-        out = model.finish(x, queries, k, v, visible.unsqueeze(1), state.source)
-        state.keys, state.values, state.valid = k, v, valid
-        last = (counts - 1).clamp(min=0)
-        state.fed = state.fed + counts
-        predicted = out[torch.arange(batch, device=out.device), last].unsqueeze(1)
-        return predicted, state.fed - 1
+        new_tokens = tokens.gather(1, chosen.clamp(0, tokens.size(1) - 1))
+        fewest, _ = value_range(counts)
+        if fewest == width:  # every row feeds as many entries (always at batch 1)
+            logits = self.scorer.score_logits(cache, new_tokens, outputs=1,
+                                              inputs=self.inputs(state.new_states, new_tokens))
+            predicted = cache.block_states[:, -1:]
+        else:
+            # real entries causally, a padding entry only itself (no query without a key)
+            real = order < counts.unsqueeze(1)  # [B, width]
+            causal = order.unsqueeze(0) <= order.unsqueeze(1)
+            visible = (causal & real.unsqueeze(1) & real.unsqueeze(2)) | torch.eye(
+                width, dtype=torch.bool, device=tokens.device)
+            new_tokens = new_tokens.masked_fill(~real, self.pad)
+            logits = self.scorer.score_logits(cache, new_tokens, order, visible,
+                                              inputs=self.inputs(state.new_states, new_tokens))
+            last = (counts - 1).clamp(min=0)[:, None, None]
+            logits = logits.gather(1, last.expand(-1, 1, logits.size(2)))
+            predicted = cache.block_states.gather(
+                1, last.expand(-1, 1, cache.block_states.size(2)))
+        self.scorer.commit(cache, None, counts)
+        return logits, predicted
 
     def commit(self, state: FeatureDraftState, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """The verifier's states of the kept entries are fed with the next proposal."""
@@ -340,14 +370,16 @@ class FeatureDrafter:
         state.new_counts = n_keep
 
     def select_rows(self, state: FeatureDraftState, rows: Tensor) -> None:
-        keys, values, source_visible = state.source
-        state.source = (keys.index_select(0, rows), values.index_select(0, rows),
-                        None if source_visible is None else source_visible.index_select(0, rows))
-        if state.keys is not None:
-            state.keys = state.keys.index_select(0, rows)
-            state.values = state.values.index_select(0, rows)
-        state.valid = state.valid.index_select(0, rows)
-        state.fed = state.fed.index_select(0, rows)
+        self.scorer.select_rows(state.drafter_state, rows)
         if state.new_counts is not None:
             state.new_states = state.new_states.index_select(0, rows)
             state.new_counts = state.new_counts.index_select(0, rows)
+
+
+class DecodingModel(nn.Module):
+    """What the block scorer reads of a model: the drafter's one-layer decoder, and the
+    verifier's encoder (never run: the drafter starts from the verifier's encoder output)."""
+
+    def __init__(self, decoder: TransformerDecoderBase, encoder):
+        super().__init__()
+        self.decoder, self.encoder = decoder, encoder
