@@ -65,6 +65,7 @@ CONFIGS = {  # (script, preset) -> its hydra config; None: the recipe has none
     ("train_drafter.sh", "base"): "drafter/base.yaml",
     ("train_drafter.sh", "cached_small"): "drafter/cached_small.yaml",
     ("train_drafter.sh", "cached_base"): None,
+    ("train_feature_drafter.sh", "small"): "drafter/feature_small.yaml",
 }
 # YAML keys that are the command's arguments or a section's name, not a flag of the recipe
 NOT_FLAGS = {"data", "save_dir", "_name"}
@@ -73,7 +74,7 @@ NOT_FLAGS = {"data", "save_dir", "_name"}
 def test_every_recipe_is_listed():
     presets = {
         (script, preset)
-        for script in ("train_verifier.sh", "train_drafter.sh")
+        for script in ("train_verifier.sh", "train_drafter.sh", "train_feature_drafter.sh")
         for preset in re.findall(r"^\s*(\w+)\)\s+MODEL=", (REPO / "scripts" / script).read_text(),
                                  re.M)  # fmt: skip
     }
