@@ -10,9 +10,8 @@ positions and to the predicted ones after, exactly what draft j sees when it is 
 The verifier inside the model is frozen; only the drafter's layer trains.
 """
 
-from typing import Dict, List, Optional, Tuple
-
 import copy
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +34,9 @@ from spec_nmt.settings import DraftPlan
 class FeatureDrafterModel(BaseFairseqModel):
     """Train it with ``--task translation --criterion feature_drafter_loss --verifier-path V``
     on the verifier's data directory (its dictionaries)."""
+
+    # a drafter's checkpoint given as the verifier is refused by the block scorer
+    IS_DRAFTER = True
 
     @staticmethod
     def add_args(parser):
@@ -84,11 +86,13 @@ class FeatureDrafterModel(BaseFairseqModel):
         for name, value in state["model"].items():
             if not name.startswith("verifier."):
                 own[name] = value
-            elif not same_weights(theirs[name[len("verifier."):]], value):
+                continue
+            verifier_name = name[len("verifier."):]
+            if verifier_name not in theirs or not same_weights(theirs[verifier_name], value):
                 raise SpecNmtError(
                     f"--drafter-path {path}: the feature drafter was trained for another "
-                    f"verifier ({name[len('verifier.'):]} differs): it decodes only with the "
-                    "verifier given to --verifier-path"
+                    f"verifier ({verifier_name} differs): it decodes only with the verifier "
+                    "given to --verifier-path"
                 )
         reference = next(verifier.parameters())
         model.load_state_dict(dict(model.state_dict(), **own))
@@ -166,12 +170,16 @@ class FeatureDrafterModel(BaseFairseqModel):
         batch, length, _ = x.shape
         return x.view(batch, length, parts, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
 
-    def embed(self, states: Tensor, tokens: Tensor, positions: Tensor) -> Tensor:
-        """The layer's input: the verifier's (or a predicted) state with the token it chose,
-        plus the verifier's position embeddings ``positions`` [B, T, C]."""
+    def step_inputs(self, states: Tensor, tokens: Tensor) -> Tensor:
+        """The layer's input vectors [B, T, C] before positions: the verifier's (or a
+        predicted) state with the token it chose."""
         decoder = self.verifier.decoder
-        tokens_embedded = decoder.embed_scale * decoder.embed_tokens(tokens)
-        return self.combine(torch.cat([states, tokens_embedded], dim=-1)) + positions
+        embedded = decoder.embed_scale * decoder.embed_tokens(tokens)
+        return self.combine(torch.cat([states, embedded.to(states.dtype)], dim=-1))
+
+    def embed(self, states: Tensor, tokens: Tensor, positions: Tensor) -> Tensor:
+        """``step_inputs`` plus the verifier's position embeddings ``positions`` [B, T, C]."""
+        return self.step_inputs(states, tokens) + positions
 
     def queries_keys_values(self, x: Tensor) -> Tuple[Tensor, ...]:
         return self._heads(self.self_qkv(self.self_norm(x)), 3)
@@ -294,12 +302,6 @@ class FeatureDrafter:
         drafter_state.keep_block_states = True
         return FeatureDraftState(verifier_state, drafter_state)
 
-    def inputs(self, states: Tensor, tokens: Tensor) -> Tensor:
-        """The layer's input vectors [B, n, C] before positions: each state with its token."""
-        decoder = self.model.verifier.decoder
-        embedded = decoder.embed_scale * decoder.embed_tokens(tokens)
-        return self.model.combine(torch.cat([states, embedded.to(states.dtype)], dim=-1))
-
     def propose(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
                 plan: DraftPlan, generator) -> DraftTree:  # fmt: skip
         if not plan.is_chain:
@@ -312,16 +314,16 @@ class FeatureDrafter:
 
         def expand(level_tokens: Tensor, _visible, depth: int) -> Tensor:
             nonlocal predicted
+            if depth == 0:  # even when nothing is drafted: the cache takes the verified entries
+                logits, predicted = self._feed_verified(state, tokens, lengths)
             if depth == plan.depth:  # the leaves' children are never drafted
                 return level_tokens.new_full((level_tokens.size(0), 1, self.symbols),
                                              float("-inf"), dtype=torch.float)
-            if depth == 0:
-                logits, predicted = self._feed_verified(state, tokens, lengths)
-            else:
+            if depth > 0:
                 # draft d sits after the pending token's entry and the d - 1 drafts before it
                 depths = torch.full((1,), depth - 1, device=level_tokens.device)
-                logits = self.scorer.score_logits(cache, level_tokens, depths,
-                                                  inputs=self.inputs(predicted, level_tokens))
+                inputs = self.model.step_inputs(predicted, level_tokens)
+                logits = self.scorer.score_logits(cache, level_tokens, depths, inputs=inputs)
                 predicted = cache.block_states
             logits[:, :, self.pad] = float("-inf")
             return torch.log_softmax(logits, dim=-1) if plan.sample else logits
@@ -340,10 +342,10 @@ class FeatureDrafter:
         order = torch.arange(width, device=tokens.device)
         chosen = (lengths - counts + 1).unsqueeze(1) + order
         new_tokens = tokens.gather(1, chosen.clamp(0, tokens.size(1) - 1))
+        inputs = self.model.step_inputs(state.new_states, new_tokens)
         fewest, _ = value_range(counts)
         if fewest == width:  # every row feeds as many entries (always at batch 1)
-            logits = self.scorer.score_logits(cache, new_tokens, outputs=1,
-                                              inputs=self.inputs(state.new_states, new_tokens))
+            logits = self.scorer.score_logits(cache, new_tokens, outputs=1, inputs=inputs)
             predicted = cache.block_states[:, -1:]
         else:
             # real entries causally, a padding entry only itself (no query without a key)
@@ -351,9 +353,7 @@ class FeatureDrafter:
             causal = order.unsqueeze(0) <= order.unsqueeze(1)
             visible = (causal & real.unsqueeze(1) & real.unsqueeze(2)) | torch.eye(
                 width, dtype=torch.bool, device=tokens.device)
-            new_tokens = new_tokens.masked_fill(~real, self.pad)
-            logits = self.scorer.score_logits(cache, new_tokens, order, visible,
-                                              inputs=self.inputs(state.new_states, new_tokens))
+            logits = self.scorer.score_logits(cache, new_tokens, order, visible, inputs=inputs)
             last = (counts - 1).clamp(min=0)[:, None, None]
             logits = logits.gather(1, last.expand(-1, 1, logits.size(2)))
             predicted = cache.block_states.gather(
