@@ -10,6 +10,7 @@ from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import load_drafter
 from spec_nmt.settings import DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
@@ -86,18 +87,30 @@ def test_the_simulation_accounts_for_every_token(trained):
                zip(summary["positions_judged"], summary["positions_judged"][1:]))
 
 
-@pytest.mark.parametrize("sentences_per_batch", [1, 8])
-def test_the_loop_accepts_what_the_simulation_accepts(toy, trained, sentences_per_batch):
-    """Decoding with the drafter's cache (rows of a batch feeding unequal counts, so with gaps)
-    accepts, sentence by sentence, what drafting from scratch accepts, and its output is the
-    verifier's greedy translation."""
-    model, task, _ = trained
+@pytest.fixture(scope="module")
+def spec_task(toy):
     cfg = SpecTranslationConfig(
         data=str(toy["bin"]), source_lang="de", target_lang="en", block_size=4,
         max_draft_batch=0, dataset_impl="mmap", required_seq_len_multiple=1,
     )  # fmt: skip
-    spec_task = SpecTranslationTask.setup_task(cfg)
-    spec_task.load_dataset("valid")
+    task = SpecTranslationTask.setup_task(cfg)
+    task.load_dataset("valid")
+    return task
+
+
+def test_a_drafter_of_another_verifier_is_refused(toy, spec_task):
+    (other,), _ = checkpoint_utils.load_model_ensemble([str(toy["ar_drafter"])], task=spec_task)
+    with pytest.raises(SpecNmtError, match="trained for another verifier"):
+        load_drafter(spec_task, str(toy["feature_drafter"]), other)
+
+
+@pytest.mark.parametrize("sentences_per_batch", [1, 8])
+def test_the_loop_accepts_what_the_simulation_accepts(toy, trained, spec_task,
+                                                      sentences_per_batch):
+    """Decoding with the drafter's cache (rows of a batch feeding unequal counts, so with gaps)
+    accepts, sentence by sentence, what drafting from scratch accepts, and its output is the
+    verifier's greedy translation."""
+    model, task, _ = trained
     dataset = spec_task.dataset("valid")
     verifier = model.verifier
     drafter = load_drafter(spec_task, str(toy["feature_drafter"]), verifier)
