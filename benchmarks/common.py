@@ -139,14 +139,18 @@ def read_lines(path, limit=None):
     return lines[:limit] if limit else lines
 
 
-def environment(args):
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` gives it (else what Python knows)."""
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
-                   if line.startswith("Model name"))
+        return next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                    if line.startswith("Model name"))
     except (OSError, StopIteration):
-        pass
+        return platform.processor() or platform.machine()
+
+
+def environment(args):
+    cpu = cpu_model()
     import fairseq
 
     int8 = drafts_in_int8(args.drafter_precision, args.device, dtype(args))

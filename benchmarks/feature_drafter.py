@@ -1,6 +1,7 @@
-"""Acceptance and drafting cost of a feature drafter (spec_nmt/drafters/feature_drafter.py),
-before it has a place in the decoding loop: lossless decoding is simulated against the
-verifier's fairseq greedy translation, which it reproduces by definition.
+"""Acceptance and drafting cost of a feature drafter (spec_nmt/drafters/feature_drafter.py) from
+its training checkpoint alone: lossless decoding is replayed against the verifier's fairseq
+greedy translation, which it reproduces by definition (the decoding loop accepts the same, see
+tests/test_feature_drafter.py).
 
 Each iteration feeds the drafter the verifier's states for the positions verified since the last
 one, drafts k tokens one step at a time and accepts the drafts that equal greedy's tokens; the
@@ -8,12 +9,11 @@ verifier's token after them is the next pending token. The first iteration has n
 to draft from, so it scores the first token alone. Drafting cost: the drafter's eager steps at
 batch 1 in fairseq greedy steps (fairseq's greedy time per token, same sentences, same run).
 
-    python benchmarks/feature_drafter.py CHECKPOINT --data-bin DATA_BIN --lines 500 --block 10
+    python benchmarks/feature_drafter.py CHECKPOINT --data-bin DATA_BIN --lines 500 --blocks 10,3
 """
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +24,7 @@ from fairseq.dataclass.configs import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import spec_nmt  # noqa: E402,F401  (registers the model)
+from common import cpu_model  # noqa: E402
 
 
 def greedy_translations(task, model, indices, batch_size: int):
@@ -126,8 +127,7 @@ def main() -> None:
     eos = task.target_dictionary.eos()
     indices = list(range(min(args.lines, len(dataset))))
     results = {"checkpoint": args.checkpoint, "lines": len(indices),
-               "cpu": subprocess.run("lscpu | sed -n 's/^Model name: *//p'", shell=True,
-                                     capture_output=True, text=True).stdout.strip(),
+               "cpu": cpu_model(),
                "torch": torch.__version__, "threads": args.threads}
     with torch.no_grad():
         translations = greedy_translations(task, model, indices, batch_size=50)

@@ -1,5 +1,5 @@
-# Sourced (not run) by train_verifier.sh and train_drafter.sh: their arguments and the
-# optimisation, logging and checkpoint flags both models train with.
+# Sourced (not run) by the scripts/train_*.sh recipes: their arguments and the optimisation,
+# logging and checkpoint flags every model trains with.
 #   SCRIPT DATA_BIN SAVE_DIR [small|base] [extra fairseq-train flags]
 set -euo pipefail
 USAGE="usage: $0 DATA_BIN SAVE_DIR [small|base] [fairseq-train flags]"

@@ -31,6 +31,9 @@ def load_drafter(task, path: str, verifier_model):
     state = with_verifier_copies(read_checkpoint("--drafter-path", path), verifier_model, path)
     arch = checkpoint_arch(state)
     if arch == "feature_drafter":
+        if task.cfg.drafter_precision == "int8":
+            raise SpecNmtError("--drafter-precision int8: a feature drafter drafts in the "
+                               "verifier's precision (drop the flag)")
         model = FeatureDrafterModel.beside(state, path, verifier_model)
         return model.decoding_adapter(task.target_dictionary.pad(), task.target_dictionary.eos())
     autoregressive = arch is not None and arch.startswith("transformer")

@@ -122,5 +122,5 @@ def test_a_checkpoint_of_another_model_family_is_refused(toy, tmp_path):
         tmp_path / "checkpoint_last.pt", *SAMPLING, input_text="s1 s2\n", check=False,
     )  # fmt: skip
     assert_one_line_error(
-        result, "neither a Spec-Drafter, a cached drafter nor a Transformer checkpoint"
+        result, "neither a Spec-Drafter, a cached drafter, a feature drafter nor a Transformer"
     )

@@ -1,1 +1,2 @@
-from spec_nmt.criterions import feature_drafter_loss, spec_drafter_loss  # noqa: F401  (registration)
+# registration of the criteria with fairseq
+from spec_nmt.criterions import feature_drafter_loss, spec_drafter_loss  # noqa: F401

@@ -1,6 +1,7 @@
 """Criterion ``feature_drafter_loss``: the feature drafter's loss over its unrolled drafting
-steps: cross-entropy of the token after next plus a smooth-L1 pull of the predicted state
-towards the verifier's (EAGLE), summed over steps and positions that have a label.
+steps: at each position t, cross-entropy of the token after ``target[t]`` plus a smooth-L1 pull
+of the predicted state towards the verifier's (EAGLE), summed over steps and positions that
+have a label.
 
 It reports ``acc1`` .. ``accJ``: percent of positions where drafting step j's token is right
 given right drafts before it, the chance the verifier accepts draft j after accepting j - 1.

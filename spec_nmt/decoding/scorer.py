@@ -44,6 +44,14 @@ def value_range(values: Tensor) -> Tuple[int, int]:
     return lowest, highest
 
 
+def among_real_entries(pattern: Tensor, real: Tensor) -> Tensor:
+    """A block's visibility [B, W, W] where only the ``real`` [B, W] entries of each row count:
+    ``pattern`` [1 or B, W, W] between real entries, and a padding entry sees only itself (no
+    attention row without a key)."""
+    itself = torch.eye(real.size(1), dtype=torch.bool, device=real.device)
+    return (pattern & real.unsqueeze(1) & real.unsqueeze(2)) | itself
+
+
 class ScorerState:
     """Per-batch decoding state: the encoder output's attention keys/values (the encoder output
     itself is not kept: nothing reads it after they are projected), the self-attention cache
@@ -277,6 +285,7 @@ class BlockScorer:
         if state.encoder_bias is not None:
             state.encoder_bias = state.encoder_bias.index_select(0, rows)
         state.fed_lengths = state.fed_lengths.index_select(0, rows)
+        state.block_states = None  # read at the commit before, never across a selection
 
     def _reserve(self, state: ScorerState, slots: int, like: Tensor) -> None:
         """Make every layer's cache hold at least ``slots`` slots per row (doubling)."""

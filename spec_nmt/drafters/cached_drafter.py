@@ -22,7 +22,7 @@ from torch import Tensor
 
 from spec_nmt.decoding import block_forward
 from spec_nmt.decoding.linears import PackedLinears
-from spec_nmt.decoding.scorer import BlockScorer, ScorerState, value_range
+from spec_nmt.decoding.scorer import BlockScorer, ScorerState, among_real_entries, value_range
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, NarDrafter, SpecDrafterModel, score_masks
 from spec_nmt.errors import SpecNmtError
 
@@ -245,9 +245,7 @@ class CachedDrafter(NarDrafter):
             # real new entry and each other; padding entries: only themselves (no empty
             # attention row)
             real = torch.cat([new, new.new_ones(tokens.size(0), k)], dim=1)  # [B, entries]
-            visible = self._visibility_pattern(width, k, tokens.device)
-            visible = visible & real.unsqueeze(1) & real.unsqueeze(2)
-            visible |= torch.eye(width + k, dtype=torch.bool, device=tokens.device)
+            visible = among_real_entries(self._visibility_pattern(width, k, tokens.device), real)
         block = torch.cat([new_tokens, tokens.new_full((tokens.size(0), k), self.mask)], dim=1)
         logits = self.scorer.score_logits(cache, block, depths, visible, outputs=k)
         self.scorer.commit(cache, None, n_new)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from spec_nmt.checkpoint_loading import model_config
 from spec_nmt.decoding.drafter import grow_tree, no_drafts
 from spec_nmt.decoding.linears import PackedLinears
-from spec_nmt.decoding.scorer import BlockScorer, ScorerState, value_range
+from spec_nmt.decoding.scorer import BlockScorer, ScorerState, among_real_entries, value_range
 from spec_nmt.decoding.tree import DraftTree
 from spec_nmt.drafters.cached_drafter import same_weights
 from spec_nmt.errors import SpecNmtError
@@ -72,6 +72,8 @@ class FeatureDrafterModel(BaseFairseqModel):
     def build_model(cls, args, task):
         if not getattr(args, "verifier_path", None):
             raise SpecNmtError("the feature drafter needs --verifier-path VERIFIER.pt")
+        if args.unroll_steps < 1:
+            raise SpecNmtError(f"--unroll-steps must be at least 1, got {args.unroll_steps}")
         models, _ = checkpoint_utils.load_model_ensemble([args.verifier_path], task=task)
         return cls(models[0].float(), args.unroll_steps, args.dropout)
 
@@ -91,8 +93,8 @@ class FeatureDrafterModel(BaseFairseqModel):
             if verifier_name not in theirs or not same_weights(theirs[verifier_name], value):
                 raise SpecNmtError(
                     f"--drafter-path {path}: the feature drafter was trained for another "
-                    f"verifier ({verifier_name} differs): it decodes only with the verifier "
-                    "given to --verifier-path"
+                    f"verifier ({verifier_name} differs): it decodes only with the verifier it "
+                    "was trained with (--verifier-path)"
                 )
         reference = next(verifier.parameters())
         model.load_state_dict(dict(model.state_dict(), **own))
@@ -129,7 +131,8 @@ class FeatureDrafterModel(BaseFairseqModel):
                    and not name.startswith(("embed_tokens.", "output_projection.",
                                             "embed_positions.", "version"))]
         if missing:
-            raise SpecNmtError(f"the feature drafter's layer lacks {missing} of a fairseq layer")
+            raise SpecNmtError("the verifier's decoder layers have parts a feature drafter's layer "
+                               f"cannot stand for ({missing[0]}): use a stock Transformer verifier")
         torch.nn.Module.load_state_dict(decoder, state, strict=False)
         reference = next(self.parameters())
         return decoder.to(device=reference.device, dtype=reference.dtype).eval()
@@ -230,8 +233,9 @@ class FeatureDrafterModel(BaseFairseqModel):
     def extend(self, states: Tensor, next_tokens: Tensor, positions: Tensor, source,
                cache: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tuple]:
         """Feed n inputs [B, n, ...] after the ``cache``d ones (keys and values [B, heads, L,
-        d]), causally: what drafting computes. Returns the predicted next states [B, n, C] and
-        the cache with the n entries added."""
+        d]), causally: what drafting computes, in plain modules (the acceptance replay and the
+        tests; decoding runs the same layer on the block scorer). Returns the predicted next
+        states [B, n, C] and the cache with the n entries added."""
         x = self.embed(states, next_tokens, positions)
         queries, keys, values = self.queries_keys_values(x)
         if cache is not None:
@@ -348,11 +352,8 @@ class FeatureDrafter:
             logits = self.scorer.score_logits(cache, new_tokens, outputs=1, inputs=inputs)
             predicted = cache.block_states[:, -1:]
         else:
-            # real entries causally, a padding entry only itself (no query without a key)
-            real = order < counts.unsqueeze(1)  # [B, width]
-            causal = order.unsqueeze(0) <= order.unsqueeze(1)
-            visible = (causal & real.unsqueeze(1) & real.unsqueeze(2)) | torch.eye(
-                width, dtype=torch.bool, device=tokens.device)
+            causal = (order.unsqueeze(0) <= order.unsqueeze(1)).unsqueeze(0)
+            visible = among_real_entries(causal, order < counts.unsqueeze(1))
             logits = self.scorer.score_logits(cache, new_tokens, order, visible, inputs=inputs)
             last = (counts - 1).clamp(min=0)[:, None, None]
             logits = logits.gather(1, last.expand(-1, 1, logits.size(2)))
@@ -362,11 +363,9 @@ class FeatureDrafter:
         return logits, predicted
 
     def commit(self, state: FeatureDraftState, keep: Optional[Tensor], n_keep: Tensor) -> None:
-        """The verifier's states of the kept entries are fed with the next proposal."""
-        states = state.verifier_state.block_states
-        if keep is not None:
-            states = states.gather(1, keep.unsqueeze(2).expand(-1, -1, states.size(2)))
-        state.new_states = states[:, : max(int(n_keep.max()), 1)]
+        """The verifier's states of the kept entries (a chain's first ``n_keep``: the drafter
+        drafts chains only) are fed with the next proposal."""
+        state.new_states = state.verifier_state.block_states[:, : max(int(n_keep.max()), 1)]
         state.new_counts = n_keep
 
     def select_rows(self, state: FeatureDraftState, rows: Tensor) -> None:
