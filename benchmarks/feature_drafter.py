@@ -24,6 +24,7 @@ from fairseq.dataclass.configs import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import spec_nmt  # noqa: E402,F401  (registers the model)
+from spec_nmt.decoding.block_forward import position_table  # noqa: E402
 from common import cpu_model  # noqa: E402
 
 
@@ -55,8 +56,7 @@ class Simulation:
         encoder_out, states = model.verifier_states(
             source_tokens.unsqueeze(0), torch.tensor([source_tokens.numel()]), prev)
         # position embeddings past the translation's end, for drafts beyond it
-        positions = model.verifier.decoder.embed_positions(
-            translation.new_full((1, length + self.k + 1), self.eos))
+        positions = position_table(model.verifier.decoder, length + self.k + 1).unsqueeze(0)
         tokens = translation.unsqueeze(0)
         self.iterations += 1  # the first token, scored alone
         self.tokens += 1
