@@ -17,7 +17,7 @@ verifier or dictionary, the verifier given as drafter) are refused and nothing i
 OUT_DIR that already holds a model (the bundled data/models/bench-de-en, say) is replaced only
 with --force; its MODEL_CARD.md, which describes the old pair, is then removed.
 
-A Spec-Drafter or cached drafter also gets its draft vocabulary: the --draft-vocab-size target
+A Spec-Drafter, cached drafter or feature drafter also gets its draft vocabulary: the --draft-vocab-size target
 symbols most frequent on the target side of DATA_BIN's training split (give the data-bin the
 drafter was trained on, e.g. the distilled one; its dictionaries are the verifier's). It drafts
 only those, so its output projection, the largest matrix it reads per iteration, keeps only
@@ -25,7 +25,8 @@ their rows; what it drafts is still only proposed, so lossless decoding stays lo
 
 A cached drafter's drafter.pt holds only its own weights: its copy of the verifier's encoder (and
 with --verifier-states of its decoder) is rebuilt from verifier.pt when it is loaded
-(spec_nmt/compact_drafter.py), which more than halves the file.
+(spec_nmt/compact_drafter.py), which more than halves the file. So is a feature drafter's: the
+verifier inside it is rebuilt the same way.
 """
 
 import argparse
@@ -41,10 +42,15 @@ from fairseq.data import Dictionary, data_utils
 
 # (importing spec_nmt also lets torch.load read fairseq checkpoints)
 from spec_nmt.checkpoint_loading import map_tied, save_checkpoint
-from spec_nmt.compact_drafter import VERIFIER_COPIES_KEY, copies_verifier, without_verifier_copies
+from spec_nmt.compact_drafter import (
+    VERIFIER_COPIES_KEY,
+    copied_parts,
+    copies_verifier,
+    without_verifier_copies,
+)
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import DRAFT_VOCABULARY_KEY, is_nar_drafter
+from spec_nmt.loading import DRAFT_VOCABULARY_KEY, drafts_over_vocabulary
 from spec_nmt.translator import SpecTranslator
 
 # Symbols a drafter drafts over by default: the 4,000 most frequent target symbols of
@@ -99,7 +105,7 @@ def compact_checkpoint(src: Path, dst: Path, vocabulary: Optional[torch.Tensor] 
     if verifier is not None and VERIFIER_COPIES_KEY not in state:  # (not if exported before)
         verifier_weights = checkpoint_utils.load_checkpoint_to_cpu(str(verifier))["model"]
         state["model"], state[VERIFIER_COPIES_KEY] = without_verifier_copies(
-            state["model"], verifier_weights, src
+            state["model"], verifier_weights, src, copied_parts(state)
         )
     if vocabulary is None:  # (a drafter exported before keeps none either)
         state.pop(DRAFT_VOCABULARY_KEY, None)
@@ -118,8 +124,9 @@ def compact_checkpoint(src: Path, dst: Path, vocabulary: Optional[torch.Tensor] 
         cfg.task._name = "translation"  # which plain fairseq and converters then load
         if getattr(cfg.model, "task", None):  # (fairseq's legacy namespace repeats it)
             cfg.model.task = "translation"
-    if getattr(cfg.model, "init_from_verifier", None):
-        cfg.model.init_from_verifier = None
+    for training_path in ("init_from_verifier", "verifier_path"):  # the verifier it copied
+        if getattr(cfg.model, training_path, None):
+            setattr(cfg.model, training_path, None)
     if getattr(cfg.task, "eval_acceptance_verifier", None):  # a training-time path
         cfg.task.eval_acceptance_verifier = None
         if "eval_acceptance_sentences" in cfg.task:  # (drafters trained before the flag lack it)
@@ -137,7 +144,7 @@ def write_model_dir(args, out_dir: Path) -> None:
     """The model directory's files, written into ``out_dir``."""
     vocabulary = None
     drafter_state = checkpoint_utils.load_checkpoint_to_cpu(str(args.drafter))
-    if args.draft_vocab_size and is_nar_drafter(drafter_state):
+    if args.draft_vocab_size and drafts_over_vocabulary(drafter_state):
         counts = target_counts(args.data_bin, args.source_lang, args.target_lang)
         dictionary = Dictionary.load(str(args.data_bin / f"dict.{args.target_lang}.txt"))
         vocabulary = draft_vocabulary(counts, dictionary, args.draft_vocab_size)

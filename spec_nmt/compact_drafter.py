@@ -1,7 +1,8 @@
 """Drafter checkpoints without their copies of the verifier.
 
 A cached drafter carries a frozen copy of its verifier's encoder that it is checked against; in
-the bundled pair that copy is over half the file. ``without_verifier_copies``
+the bundled pair that copy is over half the file. A feature drafter carries the whole verifier
+(``VERIFIER_COPIES`` of each model class names the parts). ``without_verifier_copies``
 (scripts/export_model.py) drops every tensor of that part that equals the verifier's and keeps a
 fingerprint of them, plus the rows the drafter's embeddings have beyond the verifier's (its
 [MASK]). ``with_verifier_copies`` (spec_nmt/loading.py's drafter loader) rebuilds them from the
@@ -17,21 +18,23 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 from torch import Tensor
 
 from spec_nmt.checkpoint_loading import VERIFIER_COPIES_KEY, checkpoint_arch
-from spec_nmt.drafters.cached_drafter import CachedDrafterModel
 from spec_nmt.errors import SpecNmtError
 
 # A checkpoint's VERIFIER_COPIES_KEY holds what was dropped: {"names": {drafter name: verifier
 # name}, "extra_rows": {drafter name: rows beyond the verifier's}, "sha256": their fingerprint}.
 
-# drafter prefix -> the verifier's prefix of the same part
-COPIED_PARTS = {"encoder.": "encoder."}
+
+def copied_parts(state) -> Dict[str, str]:
+    """The parts a drafter checkpoint copies from its verifier, as {drafter prefix: the
+    verifier's prefix of the same part} (a model class's ``VERIFIER_COPIES``; empty for a
+    Spec-Drafter, whose encoder is its own)."""
+    model_class = ARCH_MODEL_REGISTRY.get(checkpoint_arch(state))
+    return getattr(model_class, "VERIFIER_COPIES", {})
 
 
 def copies_verifier(state) -> bool:
-    """Whether a drafter checkpoint holds copies of its verifier's parts: a cached drafter (a
-    Spec-Drafter's encoder is its own)."""
-    model_class = ARCH_MODEL_REGISTRY.get(checkpoint_arch(state))
-    return model_class is not None and issubclass(model_class, CachedDrafterModel)
+    """Whether a drafter checkpoint holds copies of its verifier's parts."""
+    return bool(copied_parts(state))
 
 
 def _fingerprint(tensors: Iterable[Tuple[str, Tensor]]) -> str:
@@ -46,20 +49,21 @@ def _fingerprint(tensors: Iterable[Tuple[str, Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def _verifier_name(name: str):
-    for ours, theirs in COPIED_PARTS.items():
+def _verifier_name(name: str, parts: Dict[str, str]):
+    for ours, theirs in parts.items():
         if name.startswith(ours):
             return theirs + name[len(ours) :]
     return None
 
 
-def without_verifier_copies(weights: Dict[str, Tensor], verifier: Dict[str, Tensor], path):
+def without_verifier_copies(weights: Dict[str, Tensor], verifier: Dict[str, Tensor], path,
+                            parts: Dict[str, str]):  # fmt: skip
     """(the drafter's ``weights`` less its copies of the ``verifier``'s weights, the record that
     rebuilds them). A copied tensor that differs from the verifier's is refused: the drafter
     was trained on another verifier."""
     names, extra_rows, dropped = {}, {}, []
     for name, tensor in weights.items():
-        theirs_name = _verifier_name(name)
+        theirs_name = _verifier_name(name, parts)
         if theirs_name is None:
             continue
         theirs = verifier.get(theirs_name)
@@ -70,7 +74,7 @@ def without_verifier_copies(weights: Dict[str, Tensor], verifier: Dict[str, Tens
         ):
             raise SpecNmtError(
                 f"{path}: {name} is not the verifier's {theirs_name}: the drafter was trained "
-                "on another verifier (export it with the verifier given to --init-from-verifier)"
+                "on another verifier (export it with the verifier it was trained with)"
             )
         names[name] = theirs_name
         if tensor.dim() and tensor.size(0) > theirs.size(0):
@@ -100,9 +104,9 @@ def with_verifier_copies(state, verifier_model, path: str):
         rebuilt[name] = tensor if extra is None else torch.cat([tensor, extra.to(tensor.dtype)])
     if len(rebuilt) < len(record["names"]) or _fingerprint(rebuilt.items()) != record["sha256"]:
         raise SpecNmtError(
-            f"--drafter-path {path}: the drafter was trained on another verifier's encoder (the "
+            f"--drafter-path {path}: the drafter was trained on another verifier's weights (the "
             "fingerprint of its copy differs from this verifier's): it decodes only with the "
-            "verifier given to --init-from-verifier"
+            "verifier it was trained with (--init-from-verifier, --verifier-path)"
         )
     model = dict(state["model"], **rebuilt)
     return dict(state, model=model)

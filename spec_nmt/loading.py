@@ -35,7 +35,11 @@ def load_drafter(task, path: str, verifier_model):
             raise SpecNmtError("--drafter-precision int8: a feature drafter drafts in the "
                                "verifier's precision (drop the flag)")
         model = FeatureDrafterModel.beside(state, path, verifier_model)
-        return model.decoding_adapter(task.target_dictionary.pad(), task.target_dictionary.eos())
+        vocabulary = read_draft_vocabulary(state, path, task.target_dictionary, False)
+        if vocabulary is not None:
+            vocabulary = vocabulary.to(next(model.parameters()).device)
+        return model.decoding_adapter(task.target_dictionary.pad(), task.target_dictionary.eos(),
+                                      vocabulary)  # fmt: skip
     autoregressive = arch is not None and arch.startswith("transformer")
     if not (is_nar_drafter(state) or autoregressive):
         raise SpecNmtError(
@@ -124,7 +128,7 @@ def check_pair(drafter_model, verifier_model) -> None:
         check(verifier_model)
 
 
-# The checkpoint key of a NAR drafter's draft vocabulary (scripts/export_model.py writes it).
+# The checkpoint key of a drafter's draft vocabulary (scripts/export_model.py writes it).
 DRAFT_VOCABULARY_KEY = "draft_vocabulary"
 
 
@@ -138,7 +142,8 @@ def read_draft_vocabulary(state, path: str, dictionary,
         return None
     problem = None
     if autoregressive:
-        problem = "only the NAR drafters (Spec-Drafter, cached) draft over a vocabulary"
+        problem = ("only the NAR drafters (Spec-Drafter, cached) and the feature drafter draft "
+                   "over a vocabulary")
     elif not isinstance(vocabulary, torch.Tensor) or vocabulary.dim() != 1 or (
         vocabulary.is_floating_point() or vocabulary.numel() == 0
     ):
@@ -197,6 +202,12 @@ def _int8_linears(model):
     with warnings.catch_warnings():  # torch.ao's deprecation notice for eager-mode quantization
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(model, quantized, dtype=torch.qint8)
+
+
+def drafts_over_vocabulary(state) -> bool:
+    """Whether a drafter checkpoint's drafter can draft over a draft vocabulary: a NAR drafter
+    or a feature drafter."""
+    return is_nar_drafter(state) or checkpoint_arch(state) == "feature_drafter"
 
 
 def is_nar_drafter(state) -> bool:

@@ -45,7 +45,7 @@ def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
     kept = weight[0, 0].item()
     with torch.no_grad():
         weight[0, 0] += 0.01 * (1 + weight[0, 0].abs())  # beyond fp16's rounding at any size
-    with pytest.raises(SpecNmtError, match="trained on another verifier's encoder"):
+    with pytest.raises(SpecNmtError, match="trained on another verifier's"):
         drafter.check_verifier_matches(verifier)
     with torch.no_grad():
         weight[0, 0] = kept
@@ -63,7 +63,7 @@ def test_training_freezes_the_verifier_encoder_and_the_loss_falls(toy, pair):
             with torch.no_grad():
                 changed = exported.encoder.layers[0].fc1.weight
                 changed[0, 0] += 0.01 * (1 + changed[0, 0].abs())
-            with pytest.raises(SpecNmtError, match="trained on another verifier's encoder"):
+            with pytest.raises(SpecNmtError, match="trained on another verifier's"):
                 drafter.check_verifier_matches(verifier)
         finally:
             exported.encoder.load_state_dict(fp32)

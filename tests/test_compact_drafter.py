@@ -92,7 +92,7 @@ def test_a_verifier_with_another_encoder_refuses_the_compact_drafter(drafters):
     with_verifier_copies(state, verifier, str(compact))  # the right one passes
     with torch.no_grad():
         verifier.encoder.layers[0].fc1.weight[0, 0] += 0.01
-    with pytest.raises(SpecNmtError, match="trained on another verifier's encoder"):
+    with pytest.raises(SpecNmtError, match="trained on another verifier's"):
         with_verifier_copies(state, verifier, str(compact))
 
 
@@ -102,7 +102,7 @@ def test_exporting_against_another_verifier_is_refused(drafters):
     verifier = dict(checkpoint_utils.load_checkpoint_to_cpu(str(model_dir / "verifier.pt"))["model"])
     verifier["encoder.layer_norm.bias"] = verifier["encoder.layer_norm.bias"] + 0.01
     with pytest.raises(SpecNmtError, match="encoder.layer_norm.bias is not the verifier's"):
-        without_verifier_copies(drafter, verifier, "drafter.pt")
+        without_verifier_copies(drafter, verifier, "drafter.pt", {"encoder.": "encoder."})
 
 
 def valid_losses(log):

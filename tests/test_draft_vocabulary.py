@@ -172,4 +172,5 @@ def test_an_autoregressive_drafter_with_a_vocabulary_is_refused_in_one_line(toy,
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "spec_nmt error" in line]
     assert errors, result.stderr[-2000:]
-    assert "only the NAR drafters (Spec-Drafter, cached) draft over a vocabulary" in errors[0]
+    assert "only the NAR drafters (Spec-Drafter, cached) and the feature drafter draft over a " \
+        "vocabulary" in errors[0]

@@ -1,6 +1,7 @@
 """The feature drafter (EAGLE): its unrolled training computes exactly what drafting computes,
-fairseq-train trains it end to end, the acceptance simulation accounts for every token, and the
-decoding loop accepts what the simulation accepts (stock fairseq greedy: test_lossless.py)."""
+fairseq-train trains it end to end, the acceptance simulation accounts for every token, the
+decoding loop accepts what the simulation accepts (stock fairseq greedy: test_lossless.py), one
+scripted call drafts a greedy chain as one call per draft does, and its export is compact."""
 
 import sys
 
@@ -10,11 +11,12 @@ from fairseq import checkpoint_utils
 
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.drafters import feature_drafter
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import load_drafter
+from spec_nmt.loading import DRAFT_VOCABULARY_KEY, load_drafter
 from spec_nmt.settings import DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
-from tests.conftest import REPO, train_losses
+from tests.conftest import REPO, script_module, train_losses
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from feature_drafter import Simulation, greedy_translations  # noqa: E402
@@ -131,3 +133,95 @@ def test_the_loop_accepts_what_the_simulation_accepts(toy, trained, spec_task,
                 assert hypotheses[0]["spec_accepted_tokens"] == simulation.accepted
                 assert hypotheses[0]["spec_iterations"] == simulation.iterations
     assert generator.stats.accepted_tokens > 0
+
+
+def toy_vocabulary(toy, spec_task):
+    """Half of the toy's target symbols, the most frequent (export_model's choice)."""
+    export_model = script_module("export_model")
+    counts = export_model.target_counts(toy["bin"], "de", "en")
+    dictionary = spec_task.target_dictionary
+    return export_model.draft_vocabulary(counts, dictionary, len(dictionary) // 2)
+
+
+@pytest.mark.parametrize("restricted", [False, True], ids=["all-symbols", "draft-vocabulary"])
+@pytest.mark.parametrize("sentences_per_batch", [1, 8])
+def test_one_scripted_call_drafts_what_one_call_per_draft_drafts(toy, trained, spec_task,
+                                                                   monkeypatch, restricted,
+                                                                   sentences_per_batch):
+    """Greedy chains run as one scripted call (greedy_drafts); each iteration's drafts must be
+    those of drafting through the block scorer one call per draft, in batches whose rows feed
+    unequal counts too, and over a draft vocabulary only its symbols."""
+    model, _, _ = trained
+    vocabulary = toy_vocabulary(toy, spec_task) if restricted else None
+    dictionary = spec_task.target_dictionary
+    adapter = model.decoding_adapter(dictionary.pad(), dictionary.eos(), vocabulary)
+    generator = SpeculativeGenerator(
+        BlockScorer(model.verifier), adapter, dictionary,
+        DecodingSettings(block_size=4, max_draft_batch=0, max_len_a=0, max_len_b=200))
+    dataset = spec_task.dataset("valid")
+    samples = [dataset.collater([dataset[i] for i in range(start, start + sentences_per_batch)])
+               for start in range(0, 16, sentences_per_batch)]  # fmt: skip
+    scripted_calls = []
+    scripted = feature_drafter.greedy_drafts_scripted
+
+    def counted(*args):
+        scripted_calls.append(1)
+        return scripted(*args)
+
+    def decode():
+        trees = []
+        propose = feature_drafter.FeatureDrafter.propose
+
+        def recorded(self, *args):
+            tree = propose(self, *args)
+            trees.append((tree.tokens.tolist(), tree.valid.tolist()))
+            return tree
+
+        with monkeypatch.context() as patch, torch.no_grad():
+            patch.setattr(feature_drafter.FeatureDrafter, "propose", recorded)
+            outputs = [[h[0]["tokens"].tolist() for h in generator.generate([model.verifier], s)]
+                       for s in samples]  # fmt: skip
+        return trees, outputs
+
+    monkeypatch.setattr(feature_drafter, "greedy_drafts_scripted", counted)
+    one_call = decode()
+    assert scripted_calls
+    monkeypatch.setattr(feature_drafter.FeatureDrafter, "_scripted_steps", lambda *_: None)
+    assert decode() == one_call
+    drafted = {token for tokens, valid in one_call[0] for row_tokens, row_valid in
+               zip(tokens, valid) for token, real in zip(row_tokens, row_valid) if real}
+    assert drafted and dictionary.pad() not in drafted
+    if restricted:
+        assert drafted <= set(vocabulary.tolist())
+
+
+def test_the_export_holds_only_the_drafters_own_weights_and_stays_lossless(toy, trained,
+                                                                           spec_task, tmp_path):
+    """export_model.py drops the verifier inside a feature drafter (rebuilt from the verifier
+    when loaded, refused beside another) and adds the draft vocabulary; decoding with it is
+    still the verifier's greedy output."""
+    model, task, _ = trained
+    vocabulary = toy_vocabulary(toy, spec_task)
+    exported = tmp_path / "drafter.pt"
+    script_module("export_model").compact_checkpoint(toy["feature_drafter"], exported, vocabulary,
+                                                     toy["verifier"])  # fmt: skip
+    state = torch.load(exported, weights_only=False)
+    assert state["model"] and not any(name.startswith("verifier.") for name in state["model"])
+    assert state[DRAFT_VOCABULARY_KEY].tolist() == vocabulary.tolist()
+    drafter = load_drafter(spec_task, str(exported), model.verifier)
+    assert drafter.vocabulary.tolist() == vocabulary.tolist()
+    generator = SpeculativeGenerator(
+        BlockScorer(model.verifier), drafter, spec_task.target_dictionary,
+        DecodingSettings(block_size=4, max_draft_batch=0, max_len_a=0, max_len_b=200))
+    dataset = spec_task.dataset("valid")
+    indices = list(range(8))
+    sample = dataset.collater([dataset[i] for i in indices])
+    with torch.no_grad():
+        greedy = greedy_translations(task, model, indices, batch_size=8)
+        decoded = generator.generate([model.verifier], sample)
+    for index, hypotheses in zip(sample["id"].tolist(), decoded):
+        assert hypotheses[0]["tokens"].tolist() == greedy[index].tolist()
+    assert generator.stats.accepted_tokens > 0
+    (other,), _ = checkpoint_utils.load_model_ensemble([str(toy["ar_drafter"])], task=spec_task)
+    with pytest.raises(SpecNmtError, match="trained on another verifier's"):
+        load_drafter(spec_task, str(exported), other)

@@ -215,10 +215,10 @@ def test_a_changed_weight_is_taken_again_and_training_goes_through_the_modules()
     reference = model.decoder(block, encoder_out=model.encoder.forward_torchscript(net_input))[0]
     torch.testing.assert_close(changed, reference, atol=2e-5, rtol=1e-5)
     model.train()
-    assert verifier._scripted_layers() is None
+    assert verifier.scripted_layers() is None
     model.eval()
     with torch.enable_grad():
-        assert verifier._scripted_layers() is None
+        assert verifier.scripted_layers() is None
 
 
 @torch.no_grad()

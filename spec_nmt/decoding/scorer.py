@@ -179,8 +179,8 @@ class BlockScorer:
         lowest, highest = value_range(first_slot)
         span = highest + width
         x = block_forward.embed(dec, block_tokens, state.fed_lengths.unsqueeze(1) + depths,
-                                self._positions(span), inputs)
-        self._reserve(state, span, x)
+                                self.position_table(span), inputs)
+        self.reserve(state, span, x)
         uniform = lowest == highest  # always at batch 1
         bias = _attention_bias(state, visible, lowest if uniform else None, span, x.dtype)
         if not uniform:
@@ -188,7 +188,7 @@ class BlockScorer:
 
         # on the CPU only, where the scripted layers were measured and tested: a GPU keeps the
         # modules (TorchScript's GPU fusers may round fp16 otherwise)
-        scripted = self._scripted_layers() if device.type == "cpu" else None
+        scripted = self.scripted_layers() if device.type == "cpu" else None
         if scripted is not None:
             x = self.layers_function(
                 x.transpose(0, 1), scripted.layers, scripted.packed(x.size(0) * x.size(1)),
@@ -211,7 +211,7 @@ class BlockScorer:
         state.uncommitted = entries
         return logits
 
-    def _scripted_layers(self) -> Optional[scripted_layers.ScriptedLayers]:
+    def scripted_layers(self) -> Optional[scripted_layers.ScriptedLayers]:
         """The decoder's layers for ``decoder_layers`` where they serve this call (a supported
         decoder in evaluation without gradient): taken at the first call, and again by
         ``start`` when a weight has changed (one check per batch, not per call)."""
@@ -287,7 +287,7 @@ class BlockScorer:
         state.fed_lengths = state.fed_lengths.index_select(0, rows)
         state.block_states = None  # read at the commit before, never across a selection
 
-    def _reserve(self, state: ScorerState, slots: int, like: Tensor) -> None:
+    def reserve(self, state: ScorerState, slots: int, like: Tensor) -> None:
         """Make every layer's cache hold at least ``slots`` slots per row (doubling)."""
         if slots <= state.capacity:
             return
@@ -305,7 +305,7 @@ class BlockScorer:
         state.keys = [keys for keys, _ in grown]
         state.values = [values for _, values in grown]
 
-    def _positions(self, length: int) -> Optional[Tensor]:
+    def position_table(self, length: int) -> Optional[Tensor]:
         """The decoder's position table, built once and at least ``length`` long (up to the
         decoder's limit)."""
         if self.decoder.embed_positions is None:

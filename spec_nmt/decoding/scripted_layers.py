@@ -41,7 +41,7 @@ MATMUL_ATTENTION_ROWS = 12
 ACTIVATIONS = (utils.get_activation_fn("relu"), utils.get_activation_fn("gelu"))
 
 
-def _script(function):
+def script(function):
     """``torch.jit.script`` without its deprecation warning (torch is pinned; torch.compile,
     its successor, lost to it here: BENCHMARKS.md, "What a block costs the verifier"); None
     where this torch cannot compile it (no oneDNN products): decoding then keeps the modules."""
@@ -69,7 +69,8 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, bias: Optional[Tensor
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scaling)
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor, packed: Optional[Tensor]) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], packed: Optional[Tensor]) -> Tensor:
+    """``F.linear``, or the oneDNN product of ``packed``, the weight's packed copy."""
     if packed is not None:
         no_scalars: List[Optional[Union[int, float, complex]]] = []
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", no_scalars, "")
@@ -87,9 +88,9 @@ def _feed_forward(x: Tensor, p: List[Tensor], k: List[Optional[Tensor]], block: 
     layer's tensors (its norm, fc1 and fc2: ``p[6 * block:]``, packed ``k[2 * block:]``)."""
     n, channels = 6 * block, x.size(-1)
     h = F.layer_norm(x, [channels], p[n], p[n + 1], eps) if normalize_before else x
-    h = _linear(h, p[n + 2], p[n + 3], k[2 * block])
+    h = linear(h, p[n + 2], p[n + 3], k[2 * block])
     h = F.gelu(h.float()).type_as(h) if gelu else F.relu(h)
-    x = x + _linear(h, p[n + 4], p[n + 5], k[2 * block + 1])
+    x = x + linear(h, p[n + 4], p[n + 5], k[2 * block + 1])
     return x if normalize_before else F.layer_norm(x, [channels], p[n], p[n + 1], eps)
 
 
@@ -109,7 +110,7 @@ def decoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Opti
 
         residual = x
         h = F.layer_norm(x, [channels], p[0], p[1], eps) if normalize_before else x
-        query, key, value = _linear(h, p[2], p[3], k[0]).split(channels, dim=-1)
+        query, key, value = linear(h, p[2], p[3], k[0]).split(channels, dim=-1)
         key, value = _split_heads(key, heads), _split_heads(value, heads)
         if slots is None:
             keys[i][:, :, first_slot : first_slot + width] = key
@@ -120,15 +121,15 @@ def decoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Opti
             values[i].scatter_(2, index, value)
         h = attention(_split_heads(query, heads), keys[i][:, :, :span], values[i][:, :, :span],
                       bias, scaling)  # fmt: skip
-        x = residual + _linear(h.transpose(1, 2).reshape(batch, width, channels), p[4], p[5], k[1])
+        x = residual + linear(h.transpose(1, 2).reshape(batch, width, channels), p[4], p[5], k[1])
         if not normalize_before:
             x = F.layer_norm(x, [channels], p[0], p[1], eps)
 
         residual = x
         h = F.layer_norm(x, [channels], p[6], p[7], eps) if normalize_before else x
-        query = _split_heads(_linear(h, p[8], p[9], k[2]), heads)
+        query = _split_heads(linear(h, p[8], p[9], k[2]), heads)
         h = attention(query, encoder_keys[i], encoder_values[i], encoder_bias, scaling)
-        x = residual + _linear(h.transpose(1, 2).reshape(batch, width, channels), p[10], p[11],
+        x = residual + linear(h.transpose(1, 2).reshape(batch, width, channels), p[10], p[11],
                                k[3])  # fmt: skip
         if not normalize_before:
             x = F.layer_norm(x, [channels], p[6], p[7], eps)
@@ -153,7 +154,7 @@ def encoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Opti
 
         residual = x
         h = F.layer_norm(x, [channels], p[0], p[1], eps) if normalize_before else x
-        projected = _linear(h, p[2], p[3], k[0])
+        projected = linear(h, p[2], p[3], k[0])
         if real is not None:
             rows = projected.new_zeros(batch * length, 3 * channels)
             projected = rows.index_copy_(0, real, projected)
@@ -164,7 +165,7 @@ def encoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Opti
             h = h.reshape(batch * length, channels).index_select(0, real)
         else:
             h = h.reshape(batch, length, channels)
-        x = residual + _linear(h, p[4], p[5], k[1])
+        x = residual + linear(h, p[4], p[5], k[1])
         if not normalize_before:
             x = F.layer_norm(x, [channels], p[0], p[1], eps)
 
@@ -173,8 +174,8 @@ def encoder_layers(x: Tensor, layers: List[List[Tensor]], packed: List[List[Opti
 
 
 # what decoding runs: the functions above compiled with everything they call
-decoder_layers_scripted = _script(decoder_layers)
-encoder_layers_scripted = _script(encoder_layers)
+decoder_layers_scripted = script(decoder_layers)
+encoder_layers_scripted = script(encoder_layers)
 
 
 def unusual_attention(attn) -> bool:

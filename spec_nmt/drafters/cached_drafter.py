@@ -117,6 +117,9 @@ class CachedDrafterModel(SpecDrafterModel):
     ``--task spec_translation --init-from-verifier VERIFIER.pt``; decoding uses the verifier's
     encoder output, so the drafter only runs with the verifier it was trained on."""
 
+    # its frozen copy of the verifier's encoder (compact_drafter.py drops it from exports)
+    VERIFIER_COPIES = {"encoder.": "encoder."}
+
     @classmethod
     def build_model(cls, args, task):
         # The encoder must stay the verifier's: it gets embeddings of its own (frozen), and the

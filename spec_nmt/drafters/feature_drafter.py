@@ -24,8 +24,10 @@ from spec_nmt.checkpoint_loading import model_config
 from spec_nmt.decoding.drafter import grow_tree, no_drafts
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer, ScorerState, among_real_entries, value_range
-from spec_nmt.decoding.tree import DraftTree
+from spec_nmt.decoding.scripted_layers import decoder_layers, linear, script
+from spec_nmt.decoding.tree import DraftTree, greedy_chain
 from spec_nmt.drafters.cached_drafter import same_weights
+from spec_nmt.drafters.spec_drafter import restrict_output
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DraftPlan
 
@@ -37,6 +39,8 @@ class FeatureDrafterModel(BaseFairseqModel):
 
     # a drafter's checkpoint given as the verifier is refused by the block scorer
     IS_DRAFTER = True
+    # the verifier inside it (compact_drafter.py drops it from exports)
+    VERIFIER_COPIES = {"verifier.": ""}
 
     @staticmethod
     def add_args(parser):
@@ -137,8 +141,11 @@ class FeatureDrafterModel(BaseFairseqModel):
         reference = next(self.parameters())
         return decoder.to(device=reference.device, dtype=reference.dtype).eval()
 
-    def decoding_adapter(self, pad: int, eos: int) -> "FeatureDrafter":
-        return FeatureDrafter(self, pad, eos)
+    def decoding_adapter(self, pad: int, eos: int,
+                         vocabulary: Optional[Tensor] = None) -> "FeatureDrafter":  # fmt: skip
+        """What the decoding loop drafts with (``vocabulary``: the ascending symbol ids it
+        drafts over, see restrict_output; None: every symbol)."""
+        return FeatureDrafter(self, pad, eos, vocabulary)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -277,15 +284,21 @@ class FeatureDraftState:
 class FeatureDrafter:
     """The decoding loop's adapter of a feature drafter: a chain of k drafts per iteration, one
     drafter step each, after feeding the verifier's states of the newly verified positions. The
-    drafter's layer runs on the block scorer as a one-layer decoder whose inputs are given."""
+    drafter's layer runs on the block scorer as a one-layer decoder whose inputs are given; a
+    chain of greedy drafts runs its steps in one scripted call (``greedy_drafts``) where the
+    scorer's layers are scripted."""
 
-    def __init__(self, model: FeatureDrafterModel, pad: int, eos: int):
+    def __init__(self, model: FeatureDrafterModel, pad: int, eos: int,
+                 vocabulary: Optional[Tensor] = None):  # fmt: skip
         self.model, self.pad, self.eos = model, pad, eos
         self.symbols = len(model.verifier.decoder.dictionary)
-        decoder = model.decoding_decoder()
-        self.scorer = BlockScorer(DecodingModel(decoder, model.verifier.encoder),
+        self.decoder = model.decoding_decoder()
+        self.vocabulary = vocabulary
+        if vocabulary is not None:  # before packing: the smaller projection is what runs
+            restrict_output(self.decoder, vocabulary)
+        self.scorer = BlockScorer(DecodingModel(self.decoder, model.verifier.encoder),
                                   role="the feature drafter (--drafter-path)", drafter=True,
-                                  project=PackedLinears(decoder))  # fmt: skip
+                                  project=PackedLinears(self.decoder))  # fmt: skip
 
     def max_positions(self) -> int:
         return self.scorer.max_positions()
@@ -314,6 +327,17 @@ class FeatureDrafter:
         if state.new_counts is None:  # the first iteration: no verifier state to draft from
             return no_drafts(tokens, self.symbols, plan.sample)
         cache = state.drafter_state
+        if not plan.sample and plan.depth and self._scripted_steps(tokens.device) is not None:
+            tree = self._greedy_chain(state, tokens, lengths, plan.depth)
+        else:
+            tree = self._chain_by_steps(state, tokens, lengths, plan, generator)
+        self.scorer.commit(cache, None, torch.zeros_like(lengths))  # drop the drafted entries
+        return tree
+
+    def _chain_by_steps(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
+                        plan: DraftPlan, generator) -> DraftTree:  # fmt: skip
+        """Any chain, one scorer call per draft (grow_tree draws each from its logits)."""
+        cache = state.drafter_state
         predicted: Optional[Tensor] = None
 
         def expand(level_tokens: Tensor, _visible, depth: int) -> Tensor:
@@ -329,23 +353,68 @@ class FeatureDrafter:
                 inputs = self.model.step_inputs(predicted, level_tokens)
                 logits = self.scorer.score_logits(cache, level_tokens, depths, inputs=inputs)
                 predicted = cache.block_states
-            logits[:, :, self.pad] = float("-inf")
+            logits = self._over_all_symbols(logits)
             return torch.log_softmax(logits, dim=-1) if plan.sample else logits
 
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
-        tree = grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
-        self.scorer.commit(cache, None, torch.zeros_like(lengths))  # drop the drafted entries
-        return tree
+        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
+
+    def _over_all_symbols(self, logits: Tensor) -> Tensor:
+        """Logits [B, n, V] over the verifier's symbols from the projection's: -inf for PAD
+        and for the symbols outside the draft vocabulary."""
+        if self.vocabulary is not None:
+            full = logits.new_full((*logits.shape[:2], self.symbols), float("-inf"))
+            full[:, :, self.vocabulary] = logits
+            return full
+        logits[:, :, self.pad] = float("-inf")
+        return logits
+
+    def _scripted_steps(self, device: torch.device):
+        """The drafter's layer as ``greedy_drafts`` takes it, or None where the scorer runs
+        the stock modules (no TorchScript, or not on the CPU: as in score_logits)."""
+        if greedy_drafts_scripted is None or device.type != "cpu":
+            return None
+        return self.scorer.scripted_layers()
+
+    def _greedy_chain(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
+                      depth: int) -> DraftTree:  # fmt: skip
+        """The chain of ``depth`` greedy drafts in one scripted call (``greedy_drafts``): the
+        drafts ``_chain_by_steps`` makes, without the Python between the steps."""
+        cache, counts = state.drafter_state, state.new_counts
+        new_tokens = self._new_tokens(state, tokens, lengths)
+        batch, width = new_tokens.shape
+        # the loop's token buffer bounds every fed length: no need to read them
+        self.scorer.reserve(cache, tokens.size(1) + width + depth, state.new_states)
+        layers = self._scripted_steps(tokens.device)
+        verifier, norm = self.model.verifier.decoder, self.decoder.layer_norm
+        projection = self.decoder.output_projection
+        drafts = greedy_drafts_scripted(
+            state.new_states, new_tokens, counts, depth, cache.fed_lengths,
+            self.scorer.position_table(tokens.size(1) + width + depth),
+            verifier.embed_tokens.weight, float(verifier.embed_scale), self.model.combine.weight,
+            self.model.combine.bias, layers.layers, layers.packed(batch * width),
+            layers.packed(batch), cache.keys, cache.values, cache.encoder_keys,
+            cache.encoder_values, cache.encoder_bias, norm.weight, norm.bias, projection.weight,
+            self.scorer.project.packed_weight((projection,), batch), self.vocabulary, self.pad,
+            layers.heads, layers.scaling, layers.eps, layers.gelu)
+        self.scorer.commit(cache, None, counts)
+        return greedy_chain(drafts, self.eos)
+
+    def _new_tokens(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """[B, n] the tokens the verifier's kept states chose: each row's newly verified
+        tokens, the pending one last (padded after a row's count)."""
+        order = torch.arange(state.new_states.size(1), device=tokens.device)
+        chosen = (lengths - state.new_counts + 1).unsqueeze(1) + order
+        return tokens.gather(1, chosen.clamp(0, tokens.size(1) - 1))
 
     def _feed_verified(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor):
         """Feed each row the verifier's states kept at its last commit with the tokens they
-        chose (the newly verified tokens, the pending one last) into the cache; returns the
-        logits [B, 1, V] and the predicted state [B, 1, C] after the pending token."""
+        chose into the cache; returns the logits [B, 1, projection rows] and the predicted
+        state [B, 1, C] after the pending token."""
         cache, counts = state.drafter_state, state.new_counts
-        width = state.new_states.size(1)
+        new_tokens = self._new_tokens(state, tokens, lengths)
+        width = new_tokens.size(1)
         order = torch.arange(width, device=tokens.device)
-        chosen = (lengths - counts + 1).unsqueeze(1) + order
-        new_tokens = tokens.gather(1, chosen.clamp(0, tokens.size(1) - 1))
         inputs = self.model.step_inputs(state.new_states, new_tokens)
         fewest, _ = value_range(counts)
         if fewest == width:  # every row feeds as many entries (always at batch 1)
@@ -373,6 +442,64 @@ class FeatureDrafter:
         if state.new_counts is not None:
             state.new_states = state.new_states.index_select(0, rows)
             state.new_counts = state.new_counts.index_select(0, rows)
+
+
+def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, drafts: int,
+                  fed_lengths: Tensor, positions: Tensor, embed: Tensor, embed_scale: float,
+                  combine_weight: Tensor, combine_bias: Tensor, layers: List[List[Tensor]],
+                  packed_fed: List[List[Optional[Tensor]]],
+                  packed_drafted: List[List[Optional[Tensor]]], keys: List[Tensor],
+                  values: List[Tensor], encoder_keys: List[Tensor], encoder_values: List[Tensor],
+                  encoder_bias: Optional[Tensor], norm_weight: Tensor, norm_bias: Tensor,
+                  projection: Tensor, projection_packed: Optional[Tensor],
+                  vocabulary: Optional[Tensor], pad: int, heads: int, scaling: float, eps: float,
+                  gelu: bool) -> Tensor:  # fmt: skip
+    """``drafts`` greedy drafts [B, drafts] of the feature drafter's layer (``decoder_layers``:
+    pre-norm, one layer), its final norm and ``projection``, as the block scorer runs them (the
+    same products, so the same drafts): first the verifier's kept ``states`` [B, n, C] with the
+    ``tokens`` [B, n] they chose (row b's first ``counts[b]``), written at the cache slots and
+    positions ``fed_lengths[b] + i``, give the first draft; then each draft with the state
+    predicted before it, after them, gives the next. Every entry sees every slot up to its own.
+    ``projection``'s rows are the symbols of ``vocabulary`` (ascending ids), or without one all
+    symbols, of which ``pad`` is never drafted."""
+    channels = states.size(-1)
+    made: List[Tensor] = []
+    inputs, chosen, starts, packed = states, tokens, fed_lengths, packed_fed
+    for draft in range(drafts):
+        if draft > 0:
+            starts = fed_lengths + counts + (draft - 1)
+            packed = packed_drafted
+        width = chosen.size(1)
+        embedded = embed_scale * F.embedding(chosen, embed)
+        x = F.linear(torch.cat([inputs, embedded.to(inputs.dtype)], dim=-1), combine_weight,
+                     combine_bias)  # fmt: skip
+        slots = starts.unsqueeze(1) + torch.arange(width, device=x.device)  # [B, W]
+        x = x + positions[slots.clamp(max=positions.size(0) - 1)]
+        lowest, highest = int(starts.min()), int(starts.max())
+        span = highest + width
+        unseen = torch.arange(span, device=x.device)[None, None, :] > slots.unsqueeze(2)
+        bias = torch.zeros(unseen.shape, dtype=x.dtype, device=x.device)
+        bias = bias.masked_fill_(unseen, float("-inf")).unsqueeze(1)  # [B, 1, W, span]
+        x = decoder_layers(x, layers, packed, keys, values, lowest,
+                           None if lowest == highest else slots, span, bias, encoder_keys,
+                           encoder_values, encoder_bias, heads, scaling, eps, True,
+                           gelu)  # fmt: skip
+        x = F.layer_norm(x, [channels], norm_weight, norm_bias, eps)
+        if draft == 0:  # the state after each row's last fed entry
+            last = (counts - 1).clamp(min=0)[:, None, None].expand(-1, 1, channels)
+            x = x.gather(1, last)
+        inputs = x
+        logits = linear(x, projection, None, projection_packed)
+        if vocabulary is None:
+            logits[:, :, pad] = float("-inf")
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen = vocabulary[logits.argmax(dim=-1)]
+        made.append(chosen)
+    return torch.cat(made, dim=1)
+
+
+greedy_drafts_scripted = script(greedy_drafts)
 
 
 class DecodingModel(nn.Module):
