@@ -38,8 +38,8 @@ from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 PROGRESS_MIN_LINES = 300
 DEFAULT_BUFFER_SIZE = 1000
 # The decoding settings spec-nmt-translate takes as flags, with DecodingSettings' help texts.
-SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "max_draft_batch", "temperature",
-                 "sampling_topk", "sampling_topp", "seed")  # fmt: skip
+SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "draft_stop", "max_draft_batch",
+                 "temperature", "sampling_topk", "sampling_topp", "seed")  # fmt: skip
 SAMPLING_SETTINGS = ("temperature", "sampling_topk", "sampling_topp", "seed")
 # Whether the input is text is judged on its first bytes: a NUL byte there, or more than this
 # share of its characters not UTF-8, and it is refused. German text in Latin-1 (its umlauts

@@ -25,6 +25,9 @@ class DraftPlan:
     beam_width: int = 0
     beam_depth: int = 0
     sample: bool = False
+    # a chain ends after the first level at which no row's draft has at least this probability
+    # under the drafter (0: every chain is ``depth`` long); see drafter.last_level
+    stop_below: float = 0.0
 
     @property
     def depth(self) -> int:
@@ -35,15 +38,16 @@ class DraftPlan:
         return not self.beam_width and all(b == 1 for b in self.branching)
 
     @classmethod
-    def chain(cls, k: int, sample: bool) -> "DraftPlan":
-        return cls(branching=(1,) * k, sample=sample)
+    def chain(cls, k: int, sample: bool, stop_below: float = 0.0) -> "DraftPlan":
+        return cls(branching=(1,) * k, sample=sample, stop_below=stop_below)
 
     def shrink(self, depth: int) -> "DraftPlan":
         """The same plan at most ``depth`` levels deep (near the position limit)."""
         if self.beam_width:
             return DraftPlan(beam_width=self.beam_width, beam_depth=min(depth, self.beam_depth),
                              sample=self.sample)  # fmt: skip
-        return DraftPlan(branching=self.branching[:depth], sample=self.sample)
+        return DraftPlan(branching=self.branching[:depth], sample=self.sample,
+                         stop_below=self.stop_below)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,12 @@ class DecodingSettings:
     tree_budget: int = field(default=0, metadata={"help": (
         "a draft tree grown by beam search over the drafter's sequences: nodes per iteration, "
         "block-size levels of tree-budget // block-size nodes (rsd: stochastic, RSD-S; 0: none)")})
+    # Drafts the drafter is unsure of are seldom accepted: with the feature drafter, whose every
+    # draft is a step, stopping there drafts fewer and accepts about as many (BENCHMARKS.md)
+    draft_stop: float = field(default=0.0, metadata={"help": (
+        "end a chain of drafts after the first level where no sentence's draft has at least "
+        "this probability under the drafter; --block-size stays the most (0: always "
+        "block-size drafts)")})
     # the most sentences a batch may have and still draft; a larger batch decodes with the
     # verifier alone on the same loop, since the bundled pair's drafts cost more than they earn
     # in a batch (BENCHMARKS.md). None: 1 for the rules whose translations do not depend on the
@@ -113,6 +123,10 @@ class DecodingSettings:
                 f"--block-size must be an integer >= 0 (0: no drafts), got {self.block_size}"
             )
         check_top_beta_params(self.beta, self.tau)
+        if not 0 <= self.draft_stop < 1:
+            raise SpecNmtError(
+                f"--draft-stop must be in [0, 1) (0: no stop), got {self.draft_stop}"
+            )
         self._check_max_draft_batch()
         check_sampling_params(self.temperature, self.sampling_topk, self.sampling_topp)
         self.draft_plan  # noqa: B018  (refuses tree flags that make no shape)
@@ -167,8 +181,11 @@ class DecodingSettings:
                 "--block-size 0 (no drafts) decodes with the verifier alone: it takes no draft "
                 "tree (--verify rsd, --tree-branching, --tree-budget)"
             )
+        if branches and self.draft_stop:
+            raise SpecNmtError("--draft-stop ends chains of drafts: it takes no draft tree "
+                               "(--verify rsd, --tree-branching, --tree-budget)")
         if not branches:
-            return DraftPlan.chain(self.block_size, sample=rule.sampled_drafts)
+            return DraftPlan.chain(self.block_size, rule.sampled_drafts, self.draft_stop)
         if not self.tree_budget:
             shape = self.tree_branching or rule.default_branching
             try:
@@ -244,7 +261,7 @@ DEFAULTS = DecodingSettings()
 REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
 # the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
 RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
-                 "max_draft_batch")  # fmt: skip
+                 "draft_stop", "max_draft_batch")  # fmt: skip
 GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))
 
 

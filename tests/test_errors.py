@@ -36,6 +36,8 @@ def assert_one_line_error(result, *fragments):
         (["--block-size", 0, "--tree-branching", "2,1"], "--block-size 0 (no drafts) decodes"),
         (["--beta", 0], "--beta must be an integer >= 1"),
         (["--max-draft-batch", -2], "--max-draft-batch must be an integer >= 0"),
+        (["--draft-stop", 1.5], "--draft-stop must be in [0, 1)"),
+        (["--draft-stop", 0.5, "--tree-branching", "2,1"], "--draft-stop ends chains of drafts"),
         (["--beta", 3, "--tau", 1, "--max-draft-batch", 4],
          "would make a sentence's translation depend on its batch"),
         (["--tau", -0.5], "--tau must be >= 0"),

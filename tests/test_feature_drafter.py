@@ -143,21 +143,24 @@ def toy_vocabulary(toy, spec_task):
     return export_model.draft_vocabulary(counts, dictionary, len(dictionary) // 2)
 
 
+@pytest.mark.parametrize("stop", [0.0, 0.3], ids=["k-drafts", "draft-stop"])
 @pytest.mark.parametrize("restricted", [False, True], ids=["all-symbols", "draft-vocabulary"])
 @pytest.mark.parametrize("sentences_per_batch", [1, 8])
 def test_one_scripted_call_drafts_what_one_call_per_draft_drafts(toy, trained, spec_task,
                                                                    monkeypatch, restricted,
-                                                                   sentences_per_batch):
+                                                                   sentences_per_batch, stop):
     """Greedy chains run as one scripted call (greedy_drafts); each iteration's drafts must be
-    those of drafting through the block scorer one call per draft, in batches whose rows feed
-    unequal counts too, and over a draft vocabulary only its symbols."""
+    those of drafting through the block scorer one call per draft (grow_tree), in batches
+    whose rows feed unequal counts too, over a draft vocabulary only its symbols, and with
+    --draft-stop ending the chains at the same levels."""
     model, _, _ = trained
     vocabulary = toy_vocabulary(toy, spec_task) if restricted else None
     dictionary = spec_task.target_dictionary
     adapter = model.decoding_adapter(dictionary.pad(), dictionary.eos(), vocabulary)
     generator = SpeculativeGenerator(
         BlockScorer(model.verifier), adapter, dictionary,
-        DecodingSettings(block_size=4, max_draft_batch=0, max_len_a=0, max_len_b=200))
+        DecodingSettings(block_size=4, max_draft_batch=0, max_len_a=0, max_len_b=200,
+                         draft_stop=stop))  # fmt: skip
     dataset = spec_task.dataset("valid")
     samples = [dataset.collater([dataset[i] for i in range(start, start + sentences_per_batch)])
                for start in range(0, 16, sentences_per_batch)]  # fmt: skip
@@ -193,6 +196,11 @@ def test_one_scripted_call_drafts_what_one_call_per_draft_drafts(toy, trained, s
     assert drafted and dictionary.pad() not in drafted
     if restricted:
         assert drafted <= set(vocabulary.tolist())
+    lengths = {len(tokens[0]) for tokens, _ in one_call[0]}
+    if stop:  # some chains end early, some do not
+        assert 4 in lengths and lengths & {1, 2, 3}
+    else:
+        assert lengths == {0, 4}  # (0: the first iteration)
 
 
 def test_the_export_holds_only_the_drafters_own_weights_and_stays_lossless(toy, trained,

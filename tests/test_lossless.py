@@ -97,6 +97,23 @@ def test_drafter_precision_keeps_lossless_decoding_lossless(toy, stock_greedy, d
     assert mean_accepted(output) > LEAST_ACCEPTED
 
 
+def drafted_tokens(output):
+    match = re.search(r"([0-9]+) drafted tokens", output)
+    assert match, "no speculative decoding summary line"
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize("drafter", ["cached_drafter", "ar_drafter", "feature_drafter"])
+def test_a_draft_stop_drafts_less_and_keeps_lossless_decoding_lossless(toy, stock_greedy,
+                                                                       drafter):
+    """--draft-stop ends chains early (in one pass for the NAR cached drafter, step by step for
+    the autoregressive ones): fewer drafts, the same greedy output."""
+    stopped = generate(toy, 1, drafter, "--draft-stop", 0.5)
+    assert hypotheses(stopped) == stock_greedy[1]
+    assert 0 < drafted_tokens(stopped) < drafted_tokens(generate(toy, 1, drafter))
+    assert mean_accepted(stopped) > 0
+
+
 def test_interactive_is_identical_to_stock_greedy(toy):
     lines = (toy["raw"] / "test.de").read_text()
     batching = ["--batch-size", 4, "--buffer-size", 8]

@@ -201,7 +201,7 @@ def hand_built_case(samples, seed):
     q_child = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.05, 0.05, 0.6, 0.3],
                             [0.3, 0.3, 0.2, 0.2], [0.1, 0.1, 0.1, 0.7]])  # fmt: skip
 
-    def expand(tokens, _visible, depth):
+    def expand(tokens, _visible, depth, _leaf):
         if depth == 0:
             return p_root.log().expand(samples, 1, -1)
         return p_child[tokens].log()

@@ -4,7 +4,7 @@ import torch
 
 from spec_nmt.decoding import rules
 from spec_nmt.decoding import tree as trees
-from spec_nmt.decoding.drafter import grow_tree
+from spec_nmt.decoding.drafter import grow_tree, last_level
 from spec_nmt.settings import DraftPlan
 from tests.stats import chi_square_pvalue
 
@@ -64,7 +64,8 @@ def test_stochastic_beam_search_draws_distinct_sequences():
     logprobs = torch.randn(200, 1, vocab).log_softmax(-1)
     plan = DraftPlan(beam_width=width, beam_depth=3, sample=True)
     tree = grow_tree(plan, torch.zeros(200, dtype=torch.long),
-                     lambda t, v, d: logprobs.expand(-1, t.size(1), -1), EOS, generator)  # fmt: skip
+                     lambda t, v, d, _: logprobs.expand(-1, t.size(1), -1), EOS,
+                     generator)  # fmt: skip
     assert tree.tokens.shape == (200, width * 3) and tree.depths.tolist() == [1] * 3 + [2] * 3 + [3] * 3
     # the deepest level's beams are different sequences (root-to-leaf paths)
     for row in range(200):
@@ -82,7 +83,7 @@ def test_the_root_always_has_children_even_though_bos_is_eos():
     """fairseq's BOS is the EOS symbol: the first iteration's root must still be extended."""
     logprobs = torch.randn(2, 1, 6).log_softmax(-1)
     tree = grow_tree(DraftPlan(branching=(2, 1), sample=True), torch.full((2,), EOS),
-                     lambda t, v, d: logprobs.expand(-1, t.size(1), -1), EOS,
+                     lambda t, v, d, _: logprobs.expand(-1, t.size(1), -1), EOS,
                      torch.Generator().manual_seed(0))  # fmt: skip
     assert tree.valid[:, :2].all()
 
@@ -96,7 +97,7 @@ def test_greedy_chain_equals_the_grown_greedy_chain():
     logprobs[1, 4, EOS] = 5.0  # row 1 at the last depth
     pending = torch.full((6,), 7)
 
-    def expand(level_tokens, _visible, depth):
+    def expand(level_tokens, _visible, depth, _leaf):
         position = logprobs[:, min(depth, 4)]
         return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
 
@@ -117,7 +118,7 @@ def test_greedy_tree_equals_the_grown_greedy_tree():
     logprobs[1, 1, EOS] = 5.0  # row 1: the best second token
     branching = (3, 2, 1)
 
-    def expand(level_tokens, _visible, depth):
+    def expand(level_tokens, _visible, depth, _leaf):
         position = logprobs[:, min(depth, 2)]
         return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
 
@@ -174,7 +175,7 @@ def test_beam_tree_holds_the_sequences_beam_search_keeps():
     assert eos_node not in tree.parents[0, width:].tolist()
     assert tree.valid.all()
 
-    def expand(level_tokens, _visible, level):
+    def expand(level_tokens, _visible, level, _leaf):
         position = logprobs[:, min(level, depth - 1)]
         return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
 
@@ -235,3 +236,49 @@ def scores_with_best(best_per_entry, vocab=8, runner_up=None, gap=0.5):
         if runner_up and runner_up[entry] is not None:
             scores[0, entry, runner_up[entry]] = -gap
     return scores
+
+
+def best_token_logprobs(best_probs, vocab=20):
+    """Log-probs [B, 1, vocab] where row b's best token, 4, has probability best_probs[b] and
+    the rest share what is left."""
+    probs = torch.tensor(best_probs).unsqueeze(1)
+    logprobs = ((1 - probs) / (vocab - 1)).log().expand(-1, vocab).clone()
+    logprobs[:, 4] = probs.squeeze(1).log()
+    return logprobs.unsqueeze(1)
+
+
+def test_a_chain_stops_after_the_first_level_no_row_is_sure_of():
+    """DraftPlan.stop_below (--draft-stop): the chain ends after the first level where no row's
+    draft has that probability under the drafter; that level's expand is told it holds the
+    leaves, and nothing deeper is drafted. A row's draft after its own EOS does not count."""
+    #                      level 1     level 2     level 3     level 4
+    levels = [best_token_logprobs(p) for p in ([0.9, 0.2], [0.3, 0.6], [0.1, 0.4], [0.9, 0.9])]
+    calls = []
+
+    def expand(level_tokens, _visible, depth, leaf):
+        calls.append((depth, leaf))
+        return levels[depth] if depth < len(levels) else levels[-1]
+
+    plan = DraftPlan.chain(6, sample=False, stop_below=0.5)
+    tree = grow_tree(plan, torch.full((2,), 7), expand, EOS, None, False)
+    assert tree.tokens.tolist() == [[4, 4, 4]] * 2
+    assert calls == [(0, False), (1, False), (2, False), (3, True)]
+    assert grow_tree(DraftPlan.chain(6, sample=False), torch.full((2,), 7), expand, EOS, None,
+                     False).tokens.size(1) == 6  # fmt: skip
+
+    # row 0 drafts EOS at level 1: its sure draft at level 2 is an empty slot and does not count
+    levels[0][0, 0, EOS] = 10.0
+    levels[1] = best_token_logprobs([0.9, 0.3])
+    calls.clear()
+    tree = grow_tree(plan, torch.full((2,), 7), expand, EOS, None, False)
+    assert tree.tokens.size(1) == 2 and calls[-1] == (2, True)
+    assert tree.valid.tolist() == [[True, False], [True, True]]
+
+
+def test_the_last_level_is_the_first_no_valid_draft_is_sure_of():
+    probs = torch.tensor([[0.9, 0.3, 0.1, 0.9], [0.2, 0.6, 0.4, 0.9]])
+    valid = torch.ones_like(probs, dtype=torch.bool)
+    assert last_level(probs, valid, 0.5) == 3
+    assert last_level(probs, valid, 0.05) is None
+    valid[1, 1:] = False  # row 1's drafts after its first are empty slots
+    assert last_level(probs, valid, 0.5) == 2

@@ -57,9 +57,20 @@ class Drafter(Protocol):
         generator asks once, before decoding)."""
 
 
-# expand(level tokens [B, n], their visibility over uncommitted entries [B, n, U+n], their depth)
+# expand(level tokens [B, n], their visibility over uncommitted entries [B, n, U+n], their depth,
+#        whether they are the leaves: their children are never drafted)
 #   -> log-probs [B, n, V] of each node's children
-Expand = Callable[[Tensor, Tensor, int], Tensor]
+Expand = Callable[[Tensor, Tensor, int, bool], Tensor]
+
+
+def last_level(draft_probs: Tensor, valid: Tensor, stop_below: float) -> Optional[int]:
+    """Where ``DraftPlan.stop_below`` ends a chain of k levels: the first level (1 .. k) at
+    which no row holds a valid draft with at least that probability under the drafter
+    (``draft_probs`` [B, k]); None where there is none."""
+    unsure = ~((draft_probs >= stop_below) & valid).any(dim=0)  # [k]
+    if not bool(unsure.any()):
+        return None
+    return int(unsure.int().argmax()) + 1
 
 
 def grow_tree(
@@ -71,12 +82,14 @@ def grow_tree(
     needs_visibility: bool = True,
 ) -> DraftTree:
     """Grow a draft tree level by level. Children of an EOS node (and of an empty slot) are
-    empty slots; the drafter distribution of every entry is kept when sampling.
+    empty slots; the drafter distribution of every entry is kept when sampling. A chain stops
+    early at the level ``last_level`` ends it at (``plan.stop_below``).
     ``needs_visibility=False`` passes ``None`` to ``expand`` (drafters that see no tree)."""
     batch = pending.size(0)
     device = pending.device
     root = pending.unsqueeze(1)
-    entry_logprobs = [expand(root, torch.ones(batch, 1, 1, dtype=torch.bool, device=device), 0)]
+    entry_logprobs = [expand(root, torch.ones(batch, 1, 1, dtype=torch.bool, device=device), 0,
+                             plan.depth == 0)]  # fmt: skip
     empty = pending.new_zeros(batch, 0)
     tokens, parents, valid = [empty], [empty], [empty.bool()]
     depths = [pending.new_zeros(0)]
@@ -116,6 +129,12 @@ def grow_tree(
         parents.append(level_parents)
         valid.append(level_valid & frontier_valid.gather(1, beam))
         depths.append(torch.full((level_tokens.size(1),), depth, device=device))
+        leaf = depth == plan.depth
+        if plan.stop_below and not leaf:  # a chain: one token per row
+            chosen = parent_logprobs.gather(2, level_tokens.unsqueeze(2)).squeeze(2)
+            if not plan.sample:  # (greedy drafters give logits)
+                chosen = chosen - parent_logprobs.logsumexp(dim=-1)
+            leaf = last_level(chosen.exp(), valid[-1], plan.stop_below) is not None
         # the children's distributions (for the deepest level only an AR drafter computes them:
         # feeding the leaves keeps its cache complete for the next iteration)
         level_visible = None
@@ -123,7 +142,9 @@ def grow_tree(
             level_visible = torch.ones(batch, 1, depth + 1, dtype=torch.bool, device=device)
         elif needs_visibility:
             level_visible = block_visibility(torch.cat(parents, dim=1))[:, -level_tokens.size(1) :]
-        entry_logprobs.append(expand(level_tokens, level_visible, depth))
+        entry_logprobs.append(expand(level_tokens, level_visible, depth, leaf))
+        if leaf:
+            break
         frontier_tokens, frontier_valid = level_tokens, valid[-1]
     draft_probs = torch.cat(entry_logprobs, dim=1).exp() if plan.sample else None
     return DraftTree(

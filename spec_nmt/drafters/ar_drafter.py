@@ -35,7 +35,8 @@ class ArDrafter:
         return self.scorer.start(net_input)
 
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
-        def expand(level_tokens: Tensor, visible: Tensor, level_depth: int) -> Tensor:
+        # the leaves too are fed: that keeps the cache complete for the next iteration
+        def expand(level_tokens: Tensor, visible: Tensor, level_depth: int, _leaf) -> Tensor:
             depths = torch.full((level_tokens.size(1),), level_depth, device=level_tokens.device)
             logits = self.scorer.score_logits(state, level_tokens, depths, visible)
             logits[:, :, self.pad] = float("-inf")

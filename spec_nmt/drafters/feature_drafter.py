@@ -328,7 +328,7 @@ class FeatureDrafter:
             return no_drafts(tokens, self.symbols, plan.sample)
         cache = state.drafter_state
         if not plan.sample and plan.depth and self._scripted_steps(tokens.device) is not None:
-            tree = self._greedy_chain(state, tokens, lengths, plan.depth)
+            tree = self._greedy_chain(state, tokens, lengths, plan)
         else:
             tree = self._chain_by_steps(state, tokens, lengths, plan, generator)
         self.scorer.commit(cache, None, torch.zeros_like(lengths))  # drop the drafted entries
@@ -340,11 +340,11 @@ class FeatureDrafter:
         cache = state.drafter_state
         predicted: Optional[Tensor] = None
 
-        def expand(level_tokens: Tensor, _visible, depth: int) -> Tensor:
+        def expand(level_tokens: Tensor, _visible, depth: int, leaf: bool) -> Tensor:
             nonlocal predicted
             if depth == 0:  # even when nothing is drafted: the cache takes the verified entries
                 logits, predicted = self._feed_verified(state, tokens, lengths)
-            if depth == plan.depth:  # the leaves' children are never drafted
+            if leaf:  # the leaves' children are never drafted
                 return level_tokens.new_full((level_tokens.size(0), 1, self.symbols),
                                              float("-inf"), dtype=torch.float)
             if depth > 0:
@@ -377,10 +377,10 @@ class FeatureDrafter:
         return self.scorer.scripted_layers()
 
     def _greedy_chain(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
-                      depth: int) -> DraftTree:  # fmt: skip
+                      plan: DraftPlan) -> DraftTree:  # fmt: skip
         """The chain of ``depth`` greedy drafts in one scripted call (``greedy_drafts``): the
         drafts ``_chain_by_steps`` makes, without the Python between the steps."""
-        cache, counts = state.drafter_state, state.new_counts
+        cache, counts, depth = state.drafter_state, state.new_counts, plan.depth
         new_tokens = self._new_tokens(state, tokens, lengths)
         batch, width = new_tokens.shape
         # the loop's token buffer bounds every fed length: no need to read them
@@ -396,7 +396,7 @@ class FeatureDrafter:
             layers.packed(batch), cache.keys, cache.values, cache.encoder_keys,
             cache.encoder_values, cache.encoder_bias, norm.weight, norm.bias, projection.weight,
             self.scorer.project.packed_weight((projection,), batch), self.vocabulary, self.pad,
-            layers.heads, layers.scaling, layers.eps, layers.gelu)
+            self.eos, plan.stop_below, layers.heads, layers.scaling, layers.eps, layers.gelu)
         self.scorer.commit(cache, None, counts)
         return greedy_chain(drafts, self.eos)
 
@@ -452,8 +452,8 @@ def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, drafts: int,
                   values: List[Tensor], encoder_keys: List[Tensor], encoder_values: List[Tensor],
                   encoder_bias: Optional[Tensor], norm_weight: Tensor, norm_bias: Tensor,
                   projection: Tensor, projection_packed: Optional[Tensor],
-                  vocabulary: Optional[Tensor], pad: int, heads: int, scaling: float, eps: float,
-                  gelu: bool) -> Tensor:  # fmt: skip
+                  vocabulary: Optional[Tensor], pad: int, eos: int, stop_below: float,
+                  heads: int, scaling: float, eps: float, gelu: bool) -> Tensor:  # fmt: skip
     """``drafts`` greedy drafts [B, drafts] of the feature drafter's layer (``decoder_layers``:
     pre-norm, one layer), its final norm and ``projection``, as the block scorer runs them (the
     same products, so the same drafts): first the verifier's kept ``states`` [B, n, C] with the
@@ -461,10 +461,13 @@ def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, drafts: int,
     positions ``fed_lengths[b] + i``, give the first draft; then each draft with the state
     predicted before it, after them, gives the next. Every entry sees every slot up to its own.
     ``projection``'s rows are the symbols of ``vocabulary`` (ascending ids), or without one all
-    symbols, of which ``pad`` is never drafted."""
+    symbols, of which ``pad`` is never drafted. With ``stop_below`` > 0 the chain ends where
+    ``drafter.last_level`` ends it: after the first draft of which no row's has at least
+    that probability, a row's drafts after an EOS not counting."""
     channels = states.size(-1)
     made: List[Tensor] = []
     inputs, chosen, starts, packed = states, tokens, fed_lengths, packed_fed
+    ended = torch.zeros_like(counts, dtype=torch.bool)  # rows that drafted an EOS
     for draft in range(drafts):
         if draft > 0:
             starts = fed_lengths + counts + (draft - 1)
@@ -492,10 +495,15 @@ def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, drafts: int,
         logits = linear(x, projection, None, projection_packed)
         if vocabulary is None:
             logits[:, :, pad] = float("-inf")
-            chosen = logits.argmax(dim=-1)
-        else:
-            chosen = vocabulary[logits.argmax(dim=-1)]
+        best, chosen = logits.max(dim=-1)  # max's indices: argmax's, faster on the CPU
+        if vocabulary is not None:
+            chosen = vocabulary[chosen]
         made.append(chosen)
+        if stop_below > 0 and draft + 1 < drafts:
+            confident = (best - logits.logsumexp(dim=-1)).exp().squeeze(1) >= stop_below
+            if not bool((confident & ~ended).any()):
+                break
+            ended = ended | chosen.squeeze(1).eq(eos)
     return torch.cat(made, dim=1)
 
 

@@ -22,8 +22,8 @@ from fairseq.models.transformer import (
 )
 from torch import Tensor
 
-from spec_nmt.decoding.drafter import grow_tree
-from spec_nmt.decoding.tree import DraftTree, beam_tree, greedy_chain, greedy_tree
+from spec_nmt.decoding.drafter import grow_tree, last_level
+from spec_nmt.decoding.tree import DraftTree, beam_tree, before_any_eos, greedy_chain, greedy_tree
 from spec_nmt.drafters.verifier_layout import adopt_verifier_layout
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DraftPlan
@@ -357,11 +357,11 @@ class NarDrafter:
             if self.vocabulary is not None:
                 best = self.vocabulary[best]
             if plan.is_chain:
-                return greedy_chain(best, self.eos)
+                return greedy_chain(self._stopped(best, logits, plan), self.eos)
             return greedy_tree(best, plan.branching, self.eos)
         logprobs = self._over_verifier_vocabulary(torch.log_softmax(logits, dim=-1))
 
-        def expand(level_tokens: Tensor, _visible, level_depth: int) -> Tensor:
+        def expand(level_tokens: Tensor, _visible, level_depth: int, _leaf) -> Tensor:
             if depth == 0:  # no drafts at all (position limit): no distribution is needed
                 return logprobs.new_zeros(*level_tokens.shape, logprobs.size(2))
             position = logprobs[:, min(level_depth, depth - 1)]
@@ -369,6 +369,15 @@ class NarDrafter:
 
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
         return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
+
+    def _stopped(self, best: Tensor, logits: Tensor, plan: DraftPlan) -> Tensor:
+        """The greedy chain ``best`` [B, k] (of ``logits`` [B, k, V]) cut where ``last_level``
+        ends it under ``plan.stop_below``."""
+        if not plan.stop_below or not best.size(1):
+            return best
+        confidence = (logits.amax(dim=-1) - logits.logsumexp(dim=-1)).exp()
+        last = last_level(confidence, before_any_eos(best, self.eos), plan.stop_below)
+        return best if last is None else best[:, :last]
 
     def commit(self, encoder_out, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Nothing to keep: the next pass reads the whole verified prefix again."""
