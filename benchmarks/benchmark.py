@@ -64,7 +64,7 @@ from pathlib import Path
 
 import torch
 from ceiling import block_cost, ceiling
-from common import beam_shape, comma_list, setting
+from common import beam_shape, comma_list, setting, stopped_chain
 from diagnosis import acceptance
 from host_syncs import host_syncs
 from sampling_speed import sampling, sampling_system
@@ -168,6 +168,9 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                      help="add the real drafter, lossless, at each of these k")
     sub.add_argument("--top-beta", type=setting, default=None,
                      help="add the real drafter with this K:BETA:TAU (e.g. 5:3:1)")
+    sub.add_argument("--draft-stops", type=comma_list(stopped_chain), default=[],
+                     help="add the real drafter, lossless, at each K:P: at most k drafts, "
+                     "--draft-stop P (e.g. 8:0.5); and at P with --top-beta's rule")
     sub.add_argument("--ctranslate2", action="store_true",
                      help="add CTranslate2 greedy rows (fp32, int8) of the same verifier")
     sub = mode("block-cost", block_cost, "what scoring a block of W entries costs the verifier")

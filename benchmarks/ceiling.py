@@ -50,11 +50,17 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
         systems["fairseq beam5"] = fairseq_generator(pair, 5)
     for block in args.lossless_blocks:
         systems[f"spec lossless, real drafter k={block}"] = speculating(pair, block_size=block)
+    for block, stop in args.draft_stops:
+        systems[f"spec lossless, real drafter k={block}, draft stop {stop}"] = speculating(
+            pair, block_size=block, draft_stop=stop)
     if args.top_beta:
         block, beta, tau = args.top_beta
         systems[f"spec k={block} beta={beta} tau={tau}"] = speculating(
             pair, block_size=block, beta=beta, tau=tau
         )
+        for _, stop in args.draft_stops:
+            systems[f"spec k={block} beta={beta} tau={tau}, draft stop {stop}"] = speculating(
+                pair, block_size=block, beta=beta, tau=tau, draft_stop=stop)
     if args.tree_branching:
         systems[f"spec lossless, real drafter, tree {args.tree_branching}"] = speculating(
             pair, tree_branching=args.tree_branching

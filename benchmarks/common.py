@@ -320,6 +320,15 @@ def setting(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not K:BETA:TAU (e.g. 10:3:1.0)") from None
 
 
+def stopped_chain(text):
+    """K:P (e.g. 8:0.5) → (k, draft stop p)."""
+    try:
+        k, stop = text.split(":")
+        return int(k), float(stop)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K:P (e.g. 8:0.5)") from None
+
+
 def beam_shape(text):
     """WIDTHxDEPTH (e.g. 3x4, both at least 1) → (width, depth)."""
     try:

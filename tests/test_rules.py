@@ -317,3 +317,37 @@ def test_rules_without_drafts_give_the_verifiers_own_token():
     one_hot = torch.nn.functional.one_hot(torch.tensor([[1], [0]]), 6).float()
     path, n_accepted, next_tokens = rules.recursive_rejection(empty, one_hot, EOS)
     assert path.shape == (2, 0) and next_tokens.tolist() == [1, 0]
+
+
+def test_speculative_sampling_stays_exact_when_chains_stop_early():
+    """--draft-stop: how long a chain is depends on the drafter's own draws (here a chain goes
+    on only after the drafter's sure token 0); every position is still judged exactly, so the
+    output stays distributed as the verifier's (q_root, then q_child). One sentence per draw:
+    the stop is decided for the whole batch."""
+    samples = 6000
+    generator = torch.Generator().manual_seed(2)
+    p_root = torch.tensor([0.7, 0.1, 0.1, 0.1])  # the drafter's
+    p_child = torch.tensor([[0.6, 0.2, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1],
+                            [0.25, 0.25, 0.25, 0.25], [0.1, 0.1, 0.1, 0.7]])  # fmt: skip
+    q_root = torch.tensor([0.3, 0.3, 0.2, 0.2])  # the verifier's
+    q_child = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1],
+                            [0.25, 0.25, 0.25, 0.25], [0.4, 0.4, 0.1, 0.1]])  # fmt: skip
+
+    def expand(tokens, _visible, depth, _leaf):
+        return (p_root.view(1, 1, -1) if depth == 0 else p_child[tokens]).log()
+
+    plan = DraftPlan.chain(2, sample=True, stop_below=0.5)
+    counts = torch.zeros(16, dtype=torch.long)
+    lengths = set()
+    for _ in range(samples):
+        tree = grow_tree(plan, torch.zeros(1, dtype=torch.long), expand, 99, generator, False)
+        lengths.add(tree.tokens.size(1))
+        verifier = torch.cat([q_root.view(1, 1, -1), q_child[tree.tokens]], dim=1)
+        k = tree.tokens.size(1)
+        n_accepted, next_tokens = rules.speculative_sample(tree.tokens, tree.draft_probs[:, :k],
+                                                           verifier, 99, generator)  # fmt: skip
+        path_tokens = torch.cat([tree.tokens, torch.full((1, 2 - k), -1)], dim=1)
+        counts += joint_counts(path_tokens, next_tokens, n_accepted, q_child, generator)
+    assert lengths == {1, 2}
+    expected = (q_root.unsqueeze(1) * q_child).flatten()
+    assert chi_square_pvalue(counts, expected) > 1e-3
