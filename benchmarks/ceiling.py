@@ -58,7 +58,7 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
         systems[f"spec k={block} beta={beta} tau={tau}"] = speculating(
             pair, block_size=block, beta=beta, tau=tau
         )
-        for _, stop in args.draft_stops:
+        for stop in sorted({stop for _, stop in args.draft_stops}):
             systems[f"spec k={block} beta={beta} tau={tau}, draft stop {stop}"] = speculating(
                 pair, block_size=block, beta=beta, tau=tau, draft_stop=stop)
     if args.tree_branching:

@@ -17,11 +17,12 @@ verifier or dictionary, the verifier given as drafter) are refused and nothing i
 OUT_DIR that already holds a model (the bundled data/models/bench-de-en, say) is replaced only
 with --force; its MODEL_CARD.md, which describes the old pair, is then removed.
 
-A Spec-Drafter, cached drafter or feature drafter also gets its draft vocabulary: the --draft-vocab-size target
-symbols most frequent on the target side of DATA_BIN's training split (give the data-bin the
-drafter was trained on, e.g. the distilled one; its dictionaries are the verifier's). It drafts
-only those, so its output projection, the largest matrix it reads per iteration, keeps only
-their rows; what it drafts is still only proposed, so lossless decoding stays lossless.
+A Spec-Drafter, cached drafter or feature drafter also gets its draft vocabulary: the
+--draft-vocab-size target symbols most frequent on the target side of DATA_BIN's training split
+(give the data-bin the drafter was trained on, e.g. the distilled one; its dictionaries are the
+verifier's). It drafts only those, so its output projection, the largest matrix it reads per
+iteration, keeps only their rows; what it drafts is still only proposed, so lossless decoding
+stays lossless.
 
 A cached drafter's drafter.pt holds only its own weights: its copy of the verifier's encoder (and
 with --verifier-states of its decoder) is rebuilt from verifier.pt when it is loaded
@@ -99,7 +100,8 @@ def draft_vocabulary(counts: torch.Tensor, dictionary: Dictionary, size: int) ->
 def compact_checkpoint(src: Path, dst: Path, vocabulary: Optional[torch.Tensor] = None,
                        verifier: Optional[Path] = None) -> int:
     """fp16 weights, no optimizer state, no machine-specific paths, the draft ``vocabulary``
-    when given; without the copies of the ``verifier``'s weights when given (a cached drafter).
+    when given; without the copies of the ``verifier``'s weights when given (a cached or feature
+    drafter).
     Returns the file size."""
     state = checkpoint_utils.load_checkpoint_to_cpu(str(src))
     if verifier is not None and VERIFIER_COPIES_KEY not in state:  # (not if exported before)
@@ -167,15 +169,16 @@ def main():
     parser.add_argument("out_dir", type=Path, help="the model directory to write")
     parser.add_argument("--verifier", type=Path, required=True, help="verifier checkpoint")
     parser.add_argument("--drafter", type=Path, required=True,
-                        help="drafter checkpoint (Spec-Drafter, cached or autoregressive drafter)")
+                        help="drafter checkpoint (Spec-Drafter, cached, feature or autoregressive "
+                        "drafter)")
     parser.add_argument("--data-bin", type=Path, required=True, help="data-bin both were trained on")
     parser.add_argument("--spm-model", type=Path, required=True, help="sentencepiece model of the data")
     parser.add_argument("--source-lang", default="de", help="source language suffix (default: de)")
     parser.add_argument("--target-lang", default="en", help="target language suffix (default: en)")
     parser.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB_SIZE,
-                        help="a Spec-Drafter or cached drafter drafts only this many of the target "
-                        "symbols, the most frequent on the target side of DATA_BIN's training "
-                        "split (0: every symbol; default: %(default)s)")
+                        help="a Spec-Drafter, cached or feature drafter drafts only this many of "
+                        "the target symbols, the most frequent on the target side of DATA_BIN's "
+                        "training split (0: every symbol; default: %(default)s)")
     parser.add_argument("--force", action="store_true",
                         help=f"replace the model in an OUT_DIR that holds one (and remove its "
                         f"{MODEL_CARD}, which describes the old pair)")

@@ -3,10 +3,11 @@ r"""A model directory's drafter as a checkpoint that fairseq-train can start fro
 
     python scripts/unpack_drafter.py MODEL_DIR OUT.pt [--verifier VERIFIER.pt]
 
-export_model.py stores a cached drafter without its copy of the verifier's encoder and in fp16;
-this puts the copy back (from MODEL_DIR/verifier.pt, or from --verifier: a verifier fine-tuned
-with --task translation_frozen_encoder has the same encoder) and writes the weights in fp32,
-without the draft vocabulary, so the drafter can be trained further:
+export_model.py stores a cached drafter without its copy of the verifier's encoder (a feature
+drafter without the verifier inside it) and in fp16; this puts the copy back (from
+MODEL_DIR/verifier.pt, or from --verifier: a verifier fine-tuned with --task
+translation_frozen_encoder has the same encoder) and writes the weights in fp32, without the
+draft vocabulary, so the drafter can be trained further:
 
     scripts/train_drafter.sh DISTILLED_BIN SAVE_DIR cached_small --init-from-verifier V.pt \
         --finetune-from-model OUT.pt ...
@@ -19,7 +20,12 @@ import torch
 from fairseq import checkpoint_utils
 
 # (importing spec_nmt also lets torch.load read fairseq checkpoints)
-from spec_nmt.checkpoint_loading import VERIFIER_COPIES_KEY, save_checkpoint
+from spec_nmt.checkpoint_loading import (
+    VERIFIER_COPIES_KEY,
+    checkpoint_arch,
+    model_config,
+    save_checkpoint,
+)
 from spec_nmt.compact_drafter import with_verifier_copies
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY
@@ -40,8 +46,8 @@ def unpacked(model_dir: Path, verifier_path: Path, source_lang="de", target_lang
         state = with_verifier_copies(state, verifier, str(drafter_path))
     except SpecNmtError as error:
         raise SpecNmtError(
-            f"{drafter_path} was trained on another verifier's encoder than {verifier_path}'s: "
-            "give the verifier it was exported with (--verifier)"
+            f"{drafter_path} was trained on another verifier than {verifier_path}: give the "
+            "verifier it was exported with (--verifier)"
         ) from error
     weights = {
         name: tensor.float() if tensor.is_floating_point() else tensor
@@ -49,6 +55,8 @@ def unpacked(model_dir: Path, verifier_path: Path, source_lang="de", target_lang
     }
     kept = {key: value for key, value in state.items()
             if key not in (DRAFT_VOCABULARY_KEY, VERIFIER_COPIES_KEY)}  # fmt: skip
+    if checkpoint_arch(state) == "feature_drafter":  # its model is built around its verifier
+        model_config(kept).verifier_path = str(verifier_path)
     return dict(kept, model=weights)
 
 

@@ -26,7 +26,7 @@ class DraftPlan:
     beam_depth: int = 0
     sample: bool = False
     # a chain ends after the first level at which no row's draft has at least this probability
-    # under the drafter (0: every chain is ``depth`` long); see drafter.last_level
+    # under the drafter (0: every chain is ``depth`` long); see drafter.goes_on
     stop_below: float = 0.0
 
     @property

@@ -3,12 +3,14 @@ fairseq-train trains it end to end, the acceptance simulation accounts for every
 decoding loop accepts what the simulation accepts (stock fairseq greedy: test_lossless.py), one
 scripted call drafts a greedy chain as one call per draft does, and its export is compact."""
 
+import shutil
 import sys
 
 import pytest
 import torch
 from fairseq import checkpoint_utils
 
+from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters import feature_drafter
@@ -233,3 +235,13 @@ def test_the_export_holds_only_the_drafters_own_weights_and_stays_lossless(toy, 
     (other,), _ = checkpoint_utils.load_model_ensemble([str(toy["ar_drafter"])], task=spec_task)
     with pytest.raises(SpecNmtError, match="trained on another verifier's"):
         load_drafter(spec_task, str(exported), other)
+
+    # unpack_drafter.py makes it a checkpoint fairseq loads (and trains on) again
+    for dictionary in toy["bin"].glob("dict.*.txt"):
+        shutil.copy(dictionary, tmp_path)
+    save_checkpoint(script_module("unpack_drafter").unpacked(tmp_path, toy["verifier"]),
+                    tmp_path / "unpacked.pt")  # fmt: skip
+    (unpacked,), _ = checkpoint_utils.load_model_ensemble([str(tmp_path / "unpacked.pt")],
+                                                          task=task)  # fmt: skip
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(unpacked.state_dict()[name], tensor.half().float())

@@ -4,7 +4,7 @@ import torch
 
 from spec_nmt.decoding import rules
 from spec_nmt.decoding import tree as trees
-from spec_nmt.decoding.drafter import grow_tree, last_level
+from spec_nmt.decoding.drafter import grow_tree, stopped_chain
 from spec_nmt.settings import DraftPlan
 from tests.stats import chi_square_pvalue
 
@@ -247,12 +247,13 @@ def best_token_logprobs(best_probs, vocab=20):
     return logprobs.unsqueeze(1)
 
 
-def test_a_chain_stops_after_the_first_level_no_row_is_sure_of():
-    """DraftPlan.stop_below (--draft-stop): the chain ends after the first level where no row's
-    draft has that probability under the drafter; that level's expand is told it holds the
-    leaves, and nothing deeper is drafted. A row's draft after its own EOS does not count."""
+def test_each_row_s_chain_stops_after_its_first_unsure_draft():
+    """DraftPlan.stop_below (--draft-stop), row by row: a row's drafts after its first one
+    below that probability under the drafter (or after its EOS) are empty slots, whatever the
+    other rows draft, and the chain ends where no row goes on: that level's expand is told it
+    holds the leaves, and nothing deeper is drafted. A finished row drafts nothing."""
     #                      level 1     level 2     level 3     level 4
-    levels = [best_token_logprobs(p) for p in ([0.9, 0.2], [0.3, 0.6], [0.1, 0.4], [0.9, 0.9])]
+    levels = [best_token_logprobs(p) for p in ([0.9, 0.2], [0.6, 0.9], [0.3, 0.9], [0.9, 0.9])]
     calls = []
 
     def expand(level_tokens, _visible, depth, leaf):
@@ -260,25 +261,30 @@ def test_a_chain_stops_after_the_first_level_no_row_is_sure_of():
         return levels[depth] if depth < len(levels) else levels[-1]
 
     plan = DraftPlan.chain(6, sample=False, stop_below=0.5)
-    tree = grow_tree(plan, torch.full((2,), 7), expand, EOS, None, False)
+    pending = torch.full((2,), 7)
+    tree = grow_tree(plan, pending, expand, EOS, None, False)
     assert tree.tokens.tolist() == [[4, 4, 4]] * 2
+    assert tree.valid.tolist() == [[True, True, True], [True, False, False]]
     assert calls == [(0, False), (1, False), (2, False), (3, True)]
-    assert grow_tree(DraftPlan.chain(6, sample=False), torch.full((2,), 7), expand, EOS, None,
+    assert grow_tree(DraftPlan.chain(6, sample=False), pending, expand, EOS, None,
                      False).tokens.size(1) == 6  # fmt: skip
 
-    # row 0 drafts EOS at level 1: its sure draft at level 2 is an empty slot and does not count
+    # a sure EOS ends its row's chain too
     levels[0][0, 0, EOS] = 10.0
-    levels[1] = best_token_logprobs([0.9, 0.3])
     calls.clear()
-    tree = grow_tree(plan, torch.full((2,), 7), expand, EOS, None, False)
-    assert tree.tokens.size(1) == 2 and calls[-1] == (2, True)
-    assert tree.valid.tolist() == [[True, False], [True, True]]
+    tree = grow_tree(plan, pending, expand, EOS, None, False)
+    assert tree.tokens[:, 0].tolist() == [EOS, 4] and tree.valid.tolist() == [[True], [True]]
+    assert calls == [(0, False), (1, True)]
 
+    # the NAR drafters' shortcut over the same drafts ends the chains alike
+    drafts = torch.tensor([[EOS, 4, 4], [4, 4, 4]])
+    probs = torch.tensor([[0.99, 0.9, 0.3], [0.2, 0.9, 0.9]])
+    stopped = stopped_chain(drafts, probs, trees.before_any_eos(drafts, EOS), 0.5, EOS)
+    assert stopped.tokens.tolist() == [[EOS], [4]] and stopped.valid.all()
+    drafts[0, 0] = 4
+    stopped = stopped_chain(drafts, probs, torch.tensor([[True] * 3, [False] * 3]), 0.5, EOS)
+    assert stopped.valid.tolist() == [[True, True, True], [False, False, False]]
 
-def test_the_last_level_is_the_first_no_valid_draft_is_sure_of():
-    probs = torch.tensor([[0.9, 0.3, 0.1, 0.9], [0.2, 0.6, 0.4, 0.9]])
-    valid = torch.ones_like(probs, dtype=torch.bool)
-    assert last_level(probs, valid, 0.5) == 3
-    assert last_level(probs, valid, 0.05) is None
-    valid[1, 1:] = False  # row 1's drafts after its first are empty slots
-    assert last_level(probs, valid, 0.5) == 2
+    finished = torch.tensor([False, True])
+    tree = grow_tree(plan, pending, expand, EOS, None, False, finished=finished)
+    assert not tree.valid[1].any()

@@ -63,14 +63,36 @@ class Drafter(Protocol):
 Expand = Callable[[Tensor, Tensor, int, bool], Tensor]
 
 
-def last_level(draft_probs: Tensor, valid: Tensor, stop_below: float) -> Optional[int]:
-    """Where ``DraftPlan.stop_below`` ends a chain of k levels: the first level (1 .. k) at
-    which no row holds a valid draft with at least that probability under the drafter
-    (``draft_probs`` [B, k]); None where there is none."""
-    unsure = ~((draft_probs >= stop_below) & valid).any(dim=0)  # [k]
-    if not bool(unsure.any()):
-        return None
-    return int(unsure.int().argmax()) + 1
+# DraftPlan.stop_below, row by row: a row's chain goes on after a level while its draft there is
+# valid, not EOS, and has at least that probability under the drafter; its later drafts are
+# empty slots,
+# so what a sentence gets drafted does not depend on its batch. The chain is as long as its
+# longest row's. grow_tree, the feature drafter's scripted chain and the NAR drafters' greedy
+# chains all end chains so.
+
+
+def goes_on(drafts: Tensor, draft_probs: Tensor, valid: Tensor, stop_below: float,
+            eos: int) -> Tensor:  # fmt: skip
+    """Whether each row's chain goes on after its ``drafts`` (their probabilities under the
+    drafter and validity alike shaped)."""
+    return valid & drafts.ne(eos) & (draft_probs >= stop_below)
+
+
+def stopped_chain(tokens: Tensor, draft_probs: Tensor, valid: Tensor, stop_below: float,
+                  eos: int) -> DraftTree:  # fmt: skip
+    """The chain of ``tokens`` [B, k] (``valid`` drafts, each with ``draft_probs`` under the
+    drafter) ended row by row under ``stop_below``, as long as its longest row."""
+    going = goes_on(tokens, draft_probs, valid, stop_below, eos).long().cumprod(dim=1).bool()
+    kept = valid & torch.cat([torch.ones_like(valid[:, :1]), going[:, :-1]], dim=1)
+    length = int(kept.sum(dim=1).max()) if kept.numel() else 0
+    return chain(tokens[:, :length], valid=kept[:, :length])
+
+
+def finished_rows(tokens: Tensor, lengths: Tensor, eos: int) -> Tensor:
+    """[B] whether each row's translation has ended (its pending token is an EOS after BOS):
+    such rows stay in a batch a while (loop._finish) and must not keep chains going."""
+    pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+    return pending.eq(eos) & lengths.gt(0)
 
 
 def grow_tree(
@@ -80,10 +102,11 @@ def grow_tree(
     eos: int,
     generator: Optional[torch.Generator],
     needs_visibility: bool = True,
+    finished: Optional[Tensor] = None,  # [B] rows whose drafts count for nothing
 ) -> DraftTree:
     """Grow a draft tree level by level. Children of an EOS node (and of an empty slot) are
-    empty slots; the drafter distribution of every entry is kept when sampling. A chain stops
-    early at the level ``last_level`` ends it at (``plan.stop_below``).
+    empty slots; the drafter distribution of every entry is kept when sampling. A chain ends
+    row by row under ``plan.stop_below`` (see ``goes_on``), ``finished`` rows drafting nothing.
     ``needs_visibility=False`` passes ``None`` to ``expand`` (drafters that see no tree)."""
     batch = pending.size(0)
     device = pending.device
@@ -94,6 +117,8 @@ def grow_tree(
     tokens, parents, valid = [empty], [empty], [empty.bool()]
     depths = [pending.new_zeros(0)]
     frontier_valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    if plan.stop_below and finished is not None:
+        frontier_valid = ~finished.unsqueeze(1)
     frontier_tokens = root
     beam_logprobs = torch.zeros(batch, 1, device=device)
     beam_scores = torch.zeros(batch, 1, device=device)
@@ -130,11 +155,13 @@ def grow_tree(
         valid.append(level_valid & frontier_valid.gather(1, beam))
         depths.append(torch.full((level_tokens.size(1),), depth, device=device))
         leaf = depth == plan.depth
-        if plan.stop_below and not leaf:  # a chain: one token per row
+        going = valid[-1]
+        if plan.stop_below:  # a chain: one token per row
             chosen = parent_logprobs.gather(2, level_tokens.unsqueeze(2)).squeeze(2)
             if not plan.sample:  # (greedy drafters give logits)
                 chosen = chosen - parent_logprobs.logsumexp(dim=-1)
-            leaf = last_level(chosen.exp(), valid[-1], plan.stop_below) is not None
+            going = goes_on(level_tokens, chosen.exp(), valid[-1], plan.stop_below, eos)
+            leaf = leaf or not bool(going.any())
         # the children's distributions (for the deepest level only an AR drafter computes them:
         # feeding the leaves keeps its cache complete for the next iteration)
         level_visible = None
@@ -145,7 +172,7 @@ def grow_tree(
         entry_logprobs.append(expand(level_tokens, level_visible, depth, leaf))
         if leaf:
             break
-        frontier_tokens, frontier_valid = level_tokens, valid[-1]
+        frontier_tokens, frontier_valid = level_tokens, going
     draft_probs = torch.cat(entry_logprobs, dim=1).exp() if plan.sample else None
     return DraftTree(
         torch.cat(tokens, dim=1),

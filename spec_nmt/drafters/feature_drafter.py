@@ -21,11 +21,11 @@ from fairseq.models.transformer import TransformerDecoderBase, TransformerModel
 from torch import Tensor, nn
 
 from spec_nmt.checkpoint_loading import model_config
-from spec_nmt.decoding.drafter import grow_tree, no_drafts
+from spec_nmt.decoding.drafter import finished_rows, grow_tree, no_drafts, stopped_chain
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer, ScorerState, among_real_entries, value_range
 from spec_nmt.decoding.scripted_layers import decoder_layers, linear, script
-from spec_nmt.decoding.tree import DraftTree, greedy_chain
+from spec_nmt.decoding.tree import DraftTree, before_any_eos, greedy_chain
 from spec_nmt.drafters.cached_drafter import same_weights
 from spec_nmt.drafters.spec_drafter import restrict_output
 from spec_nmt.errors import SpecNmtError
@@ -357,7 +357,8 @@ class FeatureDrafter:
             return torch.log_softmax(logits, dim=-1) if plan.sample else logits
 
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
-        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
+        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False,
+                         finished=finished_rows(tokens, lengths, self.eos))  # fmt: skip
 
     def _over_all_symbols(self, logits: Tensor) -> Tensor:
         """Logits [B, n, V] over the verifier's symbols from the projection's: -inf for PAD
@@ -388,8 +389,9 @@ class FeatureDrafter:
         layers = self._scripted_steps(tokens.device)
         verifier, norm = self.model.verifier.decoder, self.decoder.layer_norm
         projection = self.decoder.output_projection
-        drafts = greedy_drafts_scripted(
-            state.new_states, new_tokens, counts, depth, cache.fed_lengths,
+        finished = finished_rows(tokens, lengths, self.eos)
+        drafts, confidence = greedy_drafts_scripted(
+            state.new_states, new_tokens, counts, finished, depth, cache.fed_lengths,
             self.scorer.position_table(tokens.size(1) + width + depth),
             verifier.embed_tokens.weight, float(verifier.embed_scale), self.model.combine.weight,
             self.model.combine.bias, layers.layers, layers.packed(batch * width),
@@ -398,7 +400,10 @@ class FeatureDrafter:
             self.scorer.project.packed_weight((projection,), batch), self.vocabulary, self.pad,
             self.eos, plan.stop_below, layers.heads, layers.scaling, layers.eps, layers.gelu)
         self.scorer.commit(cache, None, counts)
-        return greedy_chain(drafts, self.eos)
+        if not plan.stop_below:
+            return greedy_chain(drafts, self.eos)
+        valid = before_any_eos(drafts, self.eos) & ~finished.unsqueeze(1)
+        return stopped_chain(drafts, confidence, valid, plan.stop_below, self.eos)
 
     def _new_tokens(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor) -> Tensor:
         """[B, n] the tokens the verifier's kept states chose: each row's newly verified
@@ -420,14 +425,14 @@ class FeatureDrafter:
         if fewest == width:  # every row feeds as many entries (always at batch 1)
             logits = self.scorer.score_logits(cache, new_tokens, outputs=1, inputs=inputs)
             predicted = cache.block_states[:, -1:]
-        else:
+        else:  # only each row's last state is projected, as greedy_drafts does
             causal = (order.unsqueeze(0) <= order.unsqueeze(1)).unsqueeze(0)
             visible = among_real_entries(causal, order < counts.unsqueeze(1))
-            logits = self.scorer.score_logits(cache, new_tokens, order, visible, inputs=inputs)
+            self.scorer.score_logits(cache, new_tokens, order, visible, outputs=0, inputs=inputs)
             last = (counts - 1).clamp(min=0)[:, None, None]
-            logits = logits.gather(1, last.expand(-1, 1, logits.size(2)))
             predicted = cache.block_states.gather(
                 1, last.expand(-1, 1, cache.block_states.size(2)))
+            logits = self.scorer.project(self.decoder.output_projection, predicted).float()
         self.scorer.commit(cache, None, counts)
         return logits, predicted
 
@@ -444,7 +449,7 @@ class FeatureDrafter:
             state.new_counts = state.new_counts.index_select(0, rows)
 
 
-def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, drafts: int,
+def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, finished: Tensor, drafts: int,
                   fed_lengths: Tensor, positions: Tensor, embed: Tensor, embed_scale: float,
                   combine_weight: Tensor, combine_bias: Tensor, layers: List[List[Tensor]],
                   packed_fed: List[List[Optional[Tensor]]],
@@ -453,7 +458,8 @@ def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, drafts: int,
                   encoder_bias: Optional[Tensor], norm_weight: Tensor, norm_bias: Tensor,
                   projection: Tensor, projection_packed: Optional[Tensor],
                   vocabulary: Optional[Tensor], pad: int, eos: int, stop_below: float,
-                  heads: int, scaling: float, eps: float, gelu: bool) -> Tensor:  # fmt: skip
+                  heads: int, scaling: float, eps: float,
+                  gelu: bool) -> Tuple[Tensor, Tensor]:  # fmt: skip
     """``drafts`` greedy drafts [B, drafts] of the feature drafter's layer (``decoder_layers``:
     pre-norm, one layer), its final norm and ``projection``, as the block scorer runs them (the
     same products, so the same drafts): first the verifier's kept ``states`` [B, n, C] with the
@@ -461,13 +467,15 @@ def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, drafts: int,
     positions ``fed_lengths[b] + i``, give the first draft; then each draft with the state
     predicted before it, after them, gives the next. Every entry sees every slot up to its own.
     ``projection``'s rows are the symbols of ``vocabulary`` (ascending ids), or without one all
-    symbols, of which ``pad`` is never drafted. With ``stop_below`` > 0 the chain ends where
-    ``drafter.last_level`` ends it: after the first draft of which no row's has at least
-    that probability, a row's drafts after an EOS not counting."""
+    symbols, of which ``pad`` is never drafted. Returns the drafts and, with ``stop_below`` > 0,
+    their probabilities under the drafter [B, n] (else zeros): the chain ends, perhaps before
+    ``drafts``, where no row goes on (drafter.goes_on; ``finished`` rows [B] never do, nor a
+    row after its EOS)."""
     channels = states.size(-1)
     made: List[Tensor] = []
     inputs, chosen, starts, packed = states, tokens, fed_lengths, packed_fed
-    ended = torch.zeros_like(counts, dtype=torch.bool)  # rows that drafted an EOS
+    going = ~finished  # rows whose chain goes on
+    confidences: List[Tensor] = []
     for draft in range(drafts):
         if draft > 0:
             starts = fed_lengths + counts + (draft - 1)
@@ -492,19 +500,21 @@ def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, drafts: int,
             last = (counts - 1).clamp(min=0)[:, None, None].expand(-1, 1, channels)
             x = x.gather(1, last)
         inputs = x
-        logits = linear(x, projection, None, projection_packed)
+        logits = linear(x, projection, None, projection_packed).float()
         if vocabulary is None:
             logits[:, :, pad] = float("-inf")
         best, chosen = logits.max(dim=-1)  # max's indices: argmax's, faster on the CPU
         if vocabulary is not None:
             chosen = vocabulary[chosen]
         made.append(chosen)
-        if stop_below > 0 and draft + 1 < drafts:
-            confident = (best - logits.logsumexp(dim=-1)).exp().squeeze(1) >= stop_below
-            if not bool((confident & ~ended).any()):
-                break
-            ended = ended | chosen.squeeze(1).eq(eos)
-    return torch.cat(made, dim=1)
+        confidence = torch.zeros_like(best)
+        if stop_below > 0:  # drafter.goes_on
+            confidence = (best - logits.logsumexp(dim=-1)).exp()
+            going = going & chosen.squeeze(1).ne(eos) & (confidence.squeeze(1) >= stop_below)
+        confidences.append(confidence)
+        if stop_below > 0 and not bool(going.any()):
+            break
+    return torch.cat(made, dim=1), torch.cat(confidences, dim=1)
 
 
 greedy_drafts_scripted = script(greedy_drafts)

@@ -22,7 +22,7 @@ from fairseq.models.transformer import (
 )
 from torch import Tensor
 
-from spec_nmt.decoding.drafter import grow_tree, last_level
+from spec_nmt.decoding.drafter import finished_rows, grow_tree, stopped_chain
 from spec_nmt.decoding.tree import DraftTree, beam_tree, before_any_eos, greedy_chain, greedy_tree
 from spec_nmt.drafters.verifier_layout import adopt_verifier_layout
 from spec_nmt.errors import SpecNmtError
@@ -356,8 +356,13 @@ class NarDrafter:
                 best = logits.topk(max(plan.branching), dim=-1).indices
             if self.vocabulary is not None:
                 best = self.vocabulary[best]
+            if plan.is_chain and plan.stop_below:
+                confidence = (logits.amax(dim=-1) - logits.logsumexp(dim=-1)).exp()
+                valid = before_any_eos(best, self.eos)
+                valid &= ~finished_rows(tokens, lengths, self.eos).unsqueeze(1)
+                return stopped_chain(best, confidence, valid, plan.stop_below, self.eos)
             if plan.is_chain:
-                return greedy_chain(self._stopped(best, logits, plan), self.eos)
+                return greedy_chain(best, self.eos)
             return greedy_tree(best, plan.branching, self.eos)
         logprobs = self._over_verifier_vocabulary(torch.log_softmax(logits, dim=-1))
 
@@ -368,16 +373,8 @@ class NarDrafter:
             return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
 
         pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
-        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False)
-
-    def _stopped(self, best: Tensor, logits: Tensor, plan: DraftPlan) -> Tensor:
-        """The greedy chain ``best`` [B, k] (of ``logits`` [B, k, V]) cut where ``last_level``
-        ends it under ``plan.stop_below``."""
-        if not plan.stop_below or not best.size(1):
-            return best
-        confidence = (logits.amax(dim=-1) - logits.logsumexp(dim=-1)).exp()
-        last = last_level(confidence, before_any_eos(best, self.eos), plan.stop_below)
-        return best if last is None else best[:, :last]
+        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False,
+                         finished=finished_rows(tokens, lengths, self.eos))  # fmt: skip
 
     def commit(self, encoder_out, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Nothing to keep: the next pass reads the whole verified prefix again."""
