@@ -13,7 +13,8 @@
 #    and newstest2014's first 1,000 lines (source and reference), then prints what would
 #    travel against the 64 MiB limit. DRAFTER_DATA_BIN (the bundled verifier's greedy
 #    translations, binarized: the drafter's data) adds its train and valid splits, and the run
-#    then trains.
+#    then trains. FEATURE_DRAFTER=DRAFTER.pt (a feature drafter of the bundled verifier, as
+#    export_model.py writes it) adds it, and the run then times it too (the feature step).
 # 2. Here, before any GPU run: the same steps on the CPU at tiny sizes, into the folder OUT:
 #        OUT=/tmp/gpu-dry scripts/gpu_check.sh --dry-run
 # 3. On the GPU machine (the device tool's run, from the repository root, carry ["gpu-carry"]):
@@ -26,8 +27,8 @@
 # (lines of the syncs count), BATCH1_LINES and BATCHED_LINES (benchmark lines at batch 1 and at
 # the other batch sizes), BENCH_RUNS (the benchmark runs, as the runs list in run_bench),
 # TRAIN_S (the seconds kept for training, exports included; 0: what the steps before it leave),
-# BUDGET_S. GPU_STEPS lists the steps in the order they run (default "tests syncs bench train";
-# train needs the prepared drafter data).
+# BUDGET_S. GPU_STEPS lists the steps in the order they run (default "tests syncs feature bench
+# train"; feature needs the prepared feature drafter, train the prepared drafter data).
 # ctranslate2 (42.8 MB) does not fit beside the wheels: the CUDA CTranslate2 rows need a run of
 # their own.
 set -uo pipefail
@@ -37,6 +38,7 @@ CARRY=gpu-carry
 MODEL_DIR=data/models/bench-de-en
 LIMIT_BYTES=$((64 * 1024 * 1024))
 DRAFTER_DATA=$CARRY/drafter-data
+FEATURE_CARRIED=$CARRY/feature-drafter.pt
 TEST_SET_LINES=1000
 MODE=${1:-gpu}
 
@@ -59,7 +61,10 @@ prepare() {
     for side in de en; do
         head -n "$TEST_SET_LINES" "$data/test.$side" >"$CARRY/data/test.$side" || return 1
     done
-    rm -rf "$DRAFTER_DATA"
+    rm -rf "$DRAFTER_DATA" "$FEATURE_CARRIED"
+    if [[ -n ${FEATURE_DRAFTER:-} ]]; then
+        install -m 644 "$FEATURE_DRAFTER" "$FEATURE_CARRIED" || return 1
+    fi
     if [[ -n $drafter_bin ]]; then
         # what fairseq-train reads: the dictionaries, train and valid (not test)
         mkdir -p "$DRAFTER_DATA"
@@ -190,7 +195,12 @@ nvidia-smi || echo "nvidia-smi: none here"
     "available", torch.cuda.is_available(), "fairseq", fairseq.__version__)' ||
     { echo "gpu_check: torch or fairseq does not import"; exit 1; }
 
-GPU_STEPS=${GPU_STEPS:-tests syncs bench train}
+GPU_STEPS=${GPU_STEPS:-tests syncs feature bench train}
+if [[ ! -f $FEATURE_CARRIED ]]; then
+    [[ " $GPU_STEPS " == *" feature "* ]] &&
+        echo "gpu_check: no feature step: $FEATURE_CARRIED is missing (FEATURE_DRAFTER=... --prepare)"
+    GPU_STEPS=${GPU_STEPS//feature/}
+fi
 if [[ ! -d $DRAFTER_DATA ]]; then
     [[ " $GPU_STEPS " == *" train "* ]] &&
         echo "gpu_check: no train step: $DRAFTER_DATA is missing (--prepare DRAFTER_DATA_BIN)"
@@ -257,6 +267,16 @@ run_bench() {
     done
 }
 
+run_feature() {
+    # the feature drafter (one drafter call per draft) against the bundled drafter's rows of
+    # the bench step, fp32, at batch 1 and 8; before bench, whose last run takes what is left
+    step bench-feature 3 90 "$PY" benchmarks/benchmark.py ceiling "$MODEL_DIR" \
+        --drafter-path "$FEATURE_CARRIED" --src "$CARRY/data/test.de" --ref "$CARRY/data/test.en" \
+        --device "$DEVICE" --warmup-lines "$WARMUP_LINES" --lossless-blocks 5 \
+        --draft-stops 10:0.6 --top-beta 8:3:1 --lines "$BATCH1_LINES" --batch-sizes 1,8 \
+        --json "$WORK/bench-feature.json"
+}
+
 run_train() {
     local left=$((BUDGET_S - SECONDS)) seconds
     KEEP_S=0
@@ -267,8 +287,8 @@ run_train() {
 
 for name in $GPU_STEPS; do
     case $name in
-    tests | syncs | bench | train) "run_$name" ;;
-    *) echo "gpu_check: unknown step $name in GPU_STEPS (tests, syncs, bench, train)" ;;
+    tests | syncs | bench | feature | train) "run_$name" ;;
+    *) echo "gpu_check: unknown step $name in GPU_STEPS (tests, syncs, bench, feature, train)" ;;
     esac
 done
 
