@@ -38,8 +38,7 @@ def load_drafter(task, path: str, verifier_model):
         vocabulary = read_draft_vocabulary(state, path, task.target_dictionary, False)
         if vocabulary is not None:
             vocabulary = vocabulary.to(next(model.parameters()).device)
-        return model.decoding_adapter(task.target_dictionary.pad(), task.target_dictionary.eos(),
-                                      vocabulary)  # fmt: skip
+        return drafter_adapter(model, task.target_dictionary, vocabulary)
     autoregressive = arch is not None and arch.startswith("transformer")
     if not (is_nar_drafter(state) or autoregressive):
         raise SpecNmtError(
@@ -88,7 +87,7 @@ def drafter_adapter(model, dictionary, vocabulary: Optional[torch.Tensor] = None
     ``vocabulary`` when given, see read_draft_vocabulary), or for any other fairseq translation
     model the autoregressive drafter."""
     pad, eos = dictionary.pad(), dictionary.eos()
-    if isinstance(model, SpecDrafterModel):
+    if isinstance(model, (SpecDrafterModel, FeatureDrafterModel)):
         return model.decoding_adapter(pad, eos, vocabulary)
     return ArDrafter(model, pad, eos)
 
