@@ -145,9 +145,12 @@ def toy_vocabulary(toy, spec_task):
     return export_model.draft_vocabulary(counts, dictionary, len(dictionary) // 2)
 
 
-@pytest.mark.parametrize("stop", [0.0, 0.3], ids=["k-drafts", "draft-stop"])
-@pytest.mark.parametrize("restricted", [False, True], ids=["all-symbols", "draft-vocabulary"])
-@pytest.mark.parametrize("sentences_per_batch", [1, 8])
+@pytest.mark.parametrize(
+    "sentences_per_batch, restricted, stop",
+    [(1, False, 0.0), (8, False, 0.0), (1, True, 0.3), (8, True, 0.3), (8, False, 0.3)],
+    ids=["batch-1", "batch-8", "batch-1-vocabulary-stop", "batch-8-vocabulary-stop",
+         "batch-8-stop"],
+)  # fmt: skip
 def test_one_scripted_call_drafts_what_one_call_per_draft_drafts(toy, trained, spec_task,
                                                                    monkeypatch, restricted,
                                                                    sentences_per_batch, stop):

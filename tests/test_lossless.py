@@ -63,13 +63,26 @@ def stock_greedy(toy):
     return {batch: hypotheses(generate(toy, batch)) for batch in (1, 16)}
 
 
+@pytest.fixture(scope="module")
+def drafting(toy):
+    """generate(toy, batch, drafter), each run once for the tests that read it."""
+    runs = {}
+
+    def run(batch_size, drafter):
+        if (batch_size, drafter) not in runs:
+            runs[batch_size, drafter] = generate(toy, batch_size, drafter)
+        return runs[batch_size, drafter]
+
+    return run
+
+
 @pytest.mark.parametrize("batch_size", [1, 16])
 @pytest.mark.parametrize(
     "drafter",
     ["drafter", "untrained_drafter", "ar_drafter", "cached_drafter", "feature_drafter"],
 )
-def test_generate_is_identical_to_stock_greedy(toy, stock_greedy, drafter, batch_size):
-    output = generate(toy, batch_size, drafter)
+def test_generate_is_identical_to_stock_greedy(stock_greedy, drafting, drafter, batch_size):
+    output = drafting(batch_size, drafter)
     assert len(stock_greedy[batch_size]) == TEST_LINES
     assert hypotheses(output) == stock_greedy[batch_size]
     accepted = mean_accepted(output)
@@ -105,12 +118,12 @@ def drafted_tokens(output):
 
 @pytest.mark.parametrize("drafter", ["cached_drafter", "ar_drafter", "feature_drafter"])
 def test_a_draft_stop_drafts_less_and_keeps_lossless_decoding_lossless(toy, stock_greedy,
-                                                                       drafter):
+                                                                       drafting, drafter):
     """--draft-stop ends chains early (in one pass for the NAR cached drafter, step by step for
     the autoregressive ones): fewer drafts, the same greedy output."""
     stopped = generate(toy, 1, drafter, "--draft-stop", 0.5)
     assert hypotheses(stopped) == stock_greedy[1]
-    assert 0 < drafted_tokens(stopped) < drafted_tokens(generate(toy, 1, drafter))
+    assert 0 < drafted_tokens(stopped) < drafted_tokens(drafting(1, drafter))
     assert mean_accepted(stopped) > 0
 
 
