@@ -116,11 +116,12 @@ def drafted_tokens(output):
     return int(match.group(1))
 
 
-@pytest.mark.parametrize("drafter", ["cached_drafter", "ar_drafter", "feature_drafter"])
+@pytest.mark.parametrize("drafter", ["cached_drafter", "feature_drafter"])
 def test_a_draft_stop_drafts_less_and_keeps_lossless_decoding_lossless(toy, stock_greedy,
                                                                        drafting, drafter):
     """--draft-stop ends chains early (in one pass for the NAR cached drafter, step by step for
-    the autoregressive ones): fewer drafts, the same greedy output."""
+    the feature drafter; grow_tree's stop: test_tree.py): fewer drafts, the same greedy
+    output."""
     stopped = generate(toy, 1, drafter, "--draft-stop", 0.5)
     assert hypotheses(stopped) == stock_greedy[1]
     assert 0 < drafted_tokens(stopped) < drafted_tokens(drafting(1, drafter))
