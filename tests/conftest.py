@@ -3,6 +3,7 @@ fairseq, Spec-Drafters and a cached drafter trained through the plugin, all made
 session with the real command-line tools. `make test` runs the tests on every core
 (pytest-xdist); the workers share each of these builds."""
 
+import importlib
 import importlib.util
 import os
 import pickle
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from unittest import mock
 
 import pytest
 from filelock import FileLock
@@ -23,6 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # cache directory: the tests and the tools they run keep theirs apart from the user's.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="spec-nmt-test-cache-")
 
+from spec_nmt.errors import SpecNmtError
 from spec_nmt.files import written_whole
 from tests.toy_corpus import write_corpus
 
@@ -67,6 +71,19 @@ def fairseq(tool, *args, input_text=None, check=True):
             f"{result.stderr[-4000:]!s}"
         )
     return result
+
+
+def fairseq_error(tool, *args) -> str:
+    """The message of the SpecNmtError that fairseq-TOOL raises for ``args``, its ``cli_main``
+    run in this process (so checks of flags and files cost no interpreter start of their own;
+    that the console prints it as one line: test_errors.py's runs of the commands)."""
+    cli = importlib.import_module(f"fairseq_cli.{tool}")
+    with mock.patch.object(sys, "argv", [f"fairseq-{tool}", *map(str, args)]):
+        with pytest.raises(SpecNmtError) as raised:
+            cli.cli_main()
+    message = str(raised.value)
+    assert "\n" not in message, message
+    return message
 
 
 def script_module(name, folder="scripts"):

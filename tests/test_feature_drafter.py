@@ -1,7 +1,8 @@
 """The feature drafter (EAGLE): its unrolled training computes exactly what drafting computes,
 fairseq-train trains it end to end, the acceptance simulation accounts for every token, the
 decoding loop accepts what the simulation accepts (stock fairseq greedy: test_lossless.py), one
-scripted call drafts a greedy chain as one call per draft does, and its export is compact."""
+scripted call drafts a greedy chain as one call per draft does, each node of a draft tree
+is drafted from its own path, and its export is compact."""
 
 import shutil
 import sys
@@ -11,6 +12,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from spec_nmt.checkpoint_loading import save_checkpoint
+from spec_nmt.decoding.block_forward import position_table
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters import feature_drafter
@@ -205,6 +207,79 @@ def test_one_scripted_call_drafts_what_one_call_per_draft_drafts(toy, trained, s
         assert 4 in lengths and lengths & {1, 2, 3}
     else:
         assert lengths == {0, 4}  # (0: the first iteration)
+
+
+def test_each_node_of_a_draft_tree_is_drafted_from_its_own_path(toy, trained, spec_task,
+                                                                 monkeypatch):
+    """In a greedy draft tree (rows of a batch feeding unequal counts), each node's children
+    are the drafter's best tokens after the verified prefix and the node's path, drafted from
+    scratch (FeatureDrafter.extend): a node reads the state its parent predicted and sees its
+    ancestors only."""
+    model, _, _ = trained
+    dictionary = spec_task.target_dictionary
+    adapter = model.decoding_adapter(dictionary.pad(), dictionary.eos(), None)
+    branching = [2, 2, 1]
+    generator = SpeculativeGenerator(
+        BlockScorer(model.verifier), adapter, dictionary,
+        DecodingSettings(tree_branching=",".join(map(str, branching)), max_draft_batch=0,
+                         max_len_a=0, max_len_b=200))  # fmt: skip
+    dataset = spec_task.dataset("valid")
+    sample = dataset.collater([dataset[i] for i in range(8)])
+    proposals = []
+    propose = feature_drafter.FeatureDrafter.propose
+
+    def recorded(self, state, tokens, lengths, plan, rng):
+        tree = propose(self, state, tokens, lengths, plan, rng)
+        proposals.append((tokens.clone(), lengths.clone(), tree))
+        return tree
+
+    monkeypatch.setattr(feature_drafter.FeatureDrafter, "propose", recorded)
+    with torch.no_grad():
+        generator.generate([model.verifier], sample)
+        checked = set()
+        for tokens, lengths, tree in proposals:
+            if not tree.tokens.size(1) or tokens.size(0) != 8:  # the first iteration, or later
+                continue  # than every row's
+            for row in range(8):
+                checked |= children_match_paths(model, sample, row, tokens, lengths, tree,
+                                                branching, dictionary)  # fmt: skip
+    assert checked == {0, 1, 2}  # the root's children and nodes at both inner depths
+
+
+def children_match_paths(model, sample, row, tokens, lengths, tree, branching, dictionary):
+    """Assert the children of row ``row``'s valid nodes; returns the depths of nodes checked."""
+    source = sample["net_input"]["src_tokens"][row]
+    source = source[source.ne(dictionary.pad())].unsqueeze(0)
+    verified = int(lengths[row])
+    prefix = tokens[row, 1 : verified + 1].unsqueeze(0)  # the verified tokens, the pending last
+    prev = tokens[row, :verified].unsqueeze(0)
+    encoder_out, states = model.verifier_states(source, torch.tensor([source.size(1)]), prev)
+    positions = position_table(model.verifier.decoder, verified + len(branching) + 1)[None]
+    keys = model.source_keys(encoder_out)
+    root_state, root_cache = model.extend(states, prefix, positions[:, :verified], keys)
+    parents, valid = tree.parents[row].tolist(), tree.valid[row].tolist()
+    depths = set()
+    for node in [-1] + list(range(len(parents))):
+        if node >= 0 and (not valid[node] or int(tree.depths[node]) == len(branching)):
+            continue
+        path = []
+        ancestor = node
+        while ancestor >= 0:
+            path.insert(0, int(tree.tokens[row, ancestor]))
+            ancestor = parents[ancestor]
+        state, cache = root_state[:, -1:], root_cache
+        for step, token in enumerate(path):
+            where = positions[:, verified + step : verified + step + 1]
+            state, cache = model.extend(state, torch.tensor([[token]]), where, keys, cache)
+        logits = model.logits(state)[0, -1]
+        logits[dictionary.pad()] = float("-inf")
+        children = [j for j, parent in enumerate(parents) if parent == node and valid[j]]
+        if not children or path[-1:] == [dictionary.eos()]:
+            continue
+        best = logits.topk(branching[len(path)]).indices.tolist()
+        assert [int(tree.tokens[row, j]) for j in children] == best[: len(children)]
+        depths.add(len(path))
+    return depths
 
 
 def test_the_export_holds_only_the_drafters_own_weights_and_stays_lossless(toy, trained,

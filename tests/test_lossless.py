@@ -278,7 +278,7 @@ def stock_greedy_in_process(in_process):
 @pytest.mark.parametrize("shape", [{"tree_branching": "3,2,1"},
                                    {"block_size": 3, "tree_budget": 9}])  # fmt: skip
 @pytest.mark.parametrize("batch_size", [1, 16])
-@pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter"])
+@pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter", "feature_drafter"])
 @torch.no_grad()
 def test_greedy_draft_trees_are_identical_to_stock_greedy(in_process, stock_greedy_in_process, toy,
                                                           drafter, batch_size, shape):

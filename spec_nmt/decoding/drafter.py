@@ -88,10 +88,15 @@ def stopped_chain(tokens: Tensor, draft_probs: Tensor, valid: Tensor, stop_below
     return chain(tokens[:, :length], valid=kept[:, :length])
 
 
-def finished_rows(tokens: Tensor, lengths: Tensor, eos: int) -> Tensor:
-    """[B] whether each row's translation has ended (its pending token is an EOS after BOS):
-    such rows stay in a batch a while (loop._finish) and must not keep chains going."""
-    pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+def pending_tokens(tokens: Tensor, lengths: Tensor) -> Tensor:
+    """[B] each row's pending token: ``tokens[b, lengths[b]]``, after BOS and its verified
+    prefix (the verifier's own token of the last iteration)."""
+    return tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+
+
+def finished_rows(pending: Tensor, lengths: Tensor, eos: int) -> Tensor:
+    """[B] whether each row's translation has ended (its ``pending_tokens`` is an EOS after
+    BOS): such rows stay in a batch a while (loop._finish) and must not keep chains going."""
     return pending.eq(eos) & lengths.gt(0)
 
 

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.drafter import Drafter, NoDrafter
+from spec_nmt.decoding.drafter import Drafter, NoDrafter, pending_tokens
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.trace import IterationRecord, trace_records
 from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility
@@ -128,7 +128,7 @@ class SpeculativeGenerator:
             # 1. draft
             tree = batch.drafter.propose(batch.drafter_state, rows.tokens, rows.lengths, plan, rng)
             # 2. score [pending token, tree nodes] in one verifier pass
-            pending = rows.tokens.gather(1, rows.lengths.unsqueeze(1))
+            pending = pending_tokens(rows.tokens, rows.lengths).unsqueeze(1)
             depths = block_depths(tree)
             visible = None if plan.is_chain else block_visibility(tree.parents)
             block = torch.cat([pending, tree.tokens], dim=1)

@@ -7,7 +7,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.drafter import finished_rows, grow_tree
+from spec_nmt.decoding.drafter import finished_rows, grow_tree, pending_tokens
 from spec_nmt.decoding.scorer import BlockScorer, ScorerState
 from spec_nmt.decoding.tree import DraftTree
 from spec_nmt.settings import DraftPlan
@@ -42,9 +42,9 @@ class ArDrafter:
             logits[:, :, self.pad] = float("-inf")
             return logits.log_softmax(dim=-1)
 
-        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+        pending = pending_tokens(tokens, lengths)
         return grow_tree(plan, pending, expand, self.eos, generator,
-                         finished=finished_rows(tokens, lengths, self.eos))  # fmt: skip
+                         finished=finished_rows(pending, lengths, self.eos))  # fmt: skip
 
     def commit(self, state, keep: Optional[Tensor], n_keep: Tensor) -> None:
         self.scorer.commit(state, keep, n_keep)

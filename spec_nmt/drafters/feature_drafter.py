@@ -21,13 +21,15 @@ from fairseq.models.transformer import TransformerDecoderBase, TransformerModel
 from torch import Tensor, nn
 
 from spec_nmt.checkpoint_loading import model_config
-from spec_nmt.decoding.drafter import finished_rows, grow_tree, no_drafts, stopped_chain
+from spec_nmt.decoding.drafter import (
+    finished_rows, grow_tree, no_drafts, pending_tokens, stopped_chain,
+)
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer, ScorerState, among_real_entries, value_range
 from spec_nmt.decoding.scripted_layers import decoder_layers, linear, script
 from spec_nmt.decoding.tree import DraftTree, before_any_eos, greedy_chain
 from spec_nmt.drafters.cached_drafter import same_weights
-from spec_nmt.drafters.spec_drafter import restrict_output
+from spec_nmt.drafters.spec_drafter import over_all_symbols, restrict_output
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DraftPlan
 
@@ -321,52 +323,64 @@ class FeatureDrafter:
 
     def propose(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
                 plan: DraftPlan, generator) -> DraftTree:  # fmt: skip
-        if not plan.is_chain:
-            raise SpecNmtError("the feature drafter drafts chains only: drop --tree-branching "
-                               "and --tree-budget")
         if state.new_counts is None:  # the first iteration: no verifier state to draft from
             return no_drafts(tokens, self.symbols, plan.sample)
         cache = state.drafter_state
-        if not plan.sample and plan.depth and self._scripted_steps(tokens.device) is not None:
+        scripted = self._scripted_steps(tokens.device) is not None
+        if plan.is_chain and not plan.sample and plan.depth and scripted:
             tree = self._greedy_chain(state, tokens, lengths, plan)
         else:
-            tree = self._chain_by_steps(state, tokens, lengths, plan, generator)
+            tree = self._tree_by_steps(state, tokens, lengths, plan, generator)
         self.scorer.commit(cache, None, torch.zeros_like(lengths))  # drop the drafted entries
         return tree
 
-    def _chain_by_steps(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
-                        plan: DraftPlan, generator) -> DraftTree:  # fmt: skip
-        """Any chain, one scorer call per draft (grow_tree draws each from its logits)."""
+    def _tree_by_steps(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
+                       plan: DraftPlan, generator) -> DraftTree:  # fmt: skip
+        """Any chain or tree, one scorer call per level (grow_tree draws each level from its
+        logits). A node's input is the state its parent predicted with its own token; it sees
+        its ancestors among the drafted entries, the verified ones all."""
         cache = state.drafter_state
-        predicted: Optional[Tensor] = None
+        predicted: Optional[Tensor] = None  # [B, nodes of the level before, C]
+        drafted = 0  # the entries of the block: the drafted nodes
 
-        def expand(level_tokens: Tensor, _visible, depth: int, leaf: bool) -> Tensor:
-            nonlocal predicted
+        def expand(level_tokens: Tensor, visible: Optional[Tensor], depth: int,
+                   leaf: bool) -> Tensor:  # fmt: skip
+            nonlocal predicted, drafted
+            batch, width = level_tokens.shape
             if depth == 0:  # even when nothing is drafted: the cache takes the verified entries
                 logits, predicted = self._feed_verified(state, tokens, lengths)
             if leaf:  # the leaves' children are never drafted
-                return level_tokens.new_full((level_tokens.size(0), 1, self.symbols),
-                                             float("-inf"), dtype=torch.float)
+                return level_tokens.new_full((batch, width, self.symbols), float("-inf"),
+                                             dtype=torch.float)  # fmt: skip
             if depth > 0:
-                # draft d sits after the pending token's entry and the d - 1 drafts before it
-                depths = torch.full((1,), depth - 1, device=level_tokens.device)
-                inputs = self.model.step_inputs(predicted, level_tokens)
-                logits = self.scorer.score_logits(cache, level_tokens, depths, inputs=inputs)
+                if visible is not None:  # block_visibility's: drop the root's column
+                    visible = visible[:, :, 1:]
+                if visible is not None and depth > 1:
+                    before = drafted - predicted.size(1)  # the parents' level starts there
+                    parent = visible[:, :, before:drafted].long().argmax(dim=2).expand(batch, -1)
+                    parent = parent.unsqueeze(2).expand(-1, -1, predicted.size(2))
+                    parent_states = predicted.gather(1, parent)
+                else:  # a chain's parent, or the root
+                    parent_states = predicted.expand(-1, width, -1)
+                depths = torch.full((width,), depth - 1, device=level_tokens.device)
+                inputs = self.model.step_inputs(parent_states, level_tokens)
+                logits = self.scorer.score_logits(cache, level_tokens, depths, visible,
+                                                  inputs=inputs)  # fmt: skip
                 predicted = cache.block_states
+                drafted += width
             logits = self._over_all_symbols(logits)
             return torch.log_softmax(logits, dim=-1) if plan.sample else logits
 
-        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
-        return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False,
-                         finished=finished_rows(tokens, lengths, self.eos))  # fmt: skip
+        pending = pending_tokens(tokens, lengths)
+        return grow_tree(plan, pending, expand, self.eos, generator,
+                         needs_visibility=not plan.is_chain,
+                         finished=finished_rows(pending, lengths, self.eos))  # fmt: skip
 
     def _over_all_symbols(self, logits: Tensor) -> Tensor:
         """Logits [B, n, V] over the verifier's symbols from the projection's: -inf for PAD
         and for the symbols outside the draft vocabulary."""
         if self.vocabulary is not None:
-            full = logits.new_full((*logits.shape[:2], self.symbols), float("-inf"))
-            full[:, :, self.vocabulary] = logits
-            return full
+            return over_all_symbols(logits, self.vocabulary, self.symbols)
         logits[:, :, self.pad] = float("-inf")
         return logits
 
@@ -380,7 +394,7 @@ class FeatureDrafter:
     def _greedy_chain(self, state: FeatureDraftState, tokens: Tensor, lengths: Tensor,
                       plan: DraftPlan) -> DraftTree:  # fmt: skip
         """The chain of ``depth`` greedy drafts in one scripted call (``greedy_drafts``): the
-        drafts ``_chain_by_steps`` makes, without the Python between the steps."""
+        drafts ``_tree_by_steps`` makes, without the Python between the steps."""
         cache, counts, depth = state.drafter_state, state.new_counts, plan.depth
         new_tokens = self._new_tokens(state, tokens, lengths)
         batch, width = new_tokens.shape
@@ -389,7 +403,7 @@ class FeatureDrafter:
         layers = self._scripted_steps(tokens.device)
         verifier, norm = self.model.verifier.decoder, self.decoder.layer_norm
         projection = self.decoder.output_projection
-        finished = finished_rows(tokens, lengths, self.eos)
+        finished = finished_rows(pending_tokens(tokens, lengths), lengths, self.eos)
         drafts, confidence = greedy_drafts_scripted(
             state.new_states, new_tokens, counts, finished, depth, cache.fed_lengths,
             self.scorer.position_table(tokens.size(1) + width + depth),
@@ -437,9 +451,15 @@ class FeatureDrafter:
         return logits, predicted
 
     def commit(self, state: FeatureDraftState, keep: Optional[Tensor], n_keep: Tensor) -> None:
-        """The verifier's states of the kept entries (a chain's first ``n_keep``: the drafter
-        drafts chains only) are fed with the next proposal."""
-        state.new_states = state.verifier_state.block_states[:, : max(int(n_keep.max()), 1)]
+        """The verifier's states of the kept entries (``keep[b, :n_keep[b]]`` in scoring order,
+        None: a chain's first ``n_keep``) are fed with the next proposal."""
+        states = state.verifier_state.block_states
+        width = max(int(n_keep.max()), 1)
+        if keep is None:
+            state.new_states = states[:, :width]
+        else:
+            kept = keep[:, :width, None].expand(-1, -1, states.size(2))
+            state.new_states = states.gather(1, kept)
         state.new_counts = n_keep
 
     def select_rows(self, state: FeatureDraftState, rows: Tensor) -> None:

@@ -22,7 +22,7 @@ from fairseq.models.transformer import (
 )
 from torch import Tensor
 
-from spec_nmt.decoding.drafter import finished_rows, grow_tree, stopped_chain
+from spec_nmt.decoding.drafter import finished_rows, grow_tree, pending_tokens, stopped_chain
 from spec_nmt.decoding.tree import DraftTree, beam_tree, before_any_eos, greedy_chain, greedy_tree
 from spec_nmt.drafters.verifier_layout import adopt_verifier_layout
 from spec_nmt.errors import SpecNmtError
@@ -280,6 +280,14 @@ def restrict_output(decoder, vocabulary: Tensor) -> None:
     decoder.output_projection = projection
 
 
+def over_all_symbols(values: Tensor, vocabulary: Tensor, symbols: int) -> Tensor:
+    """[B, n, D] over a draft vocabulary's columns (``restrict_output``'s) -> [B, n, symbols]
+    over every symbol, -inf outside the vocabulary."""
+    full = values.new_full((*values.shape[:2], symbols), float("-inf"))
+    full[:, :, vocabulary] = values
+    return full
+
+
 class NarDrafter:
     """The non-autoregressive Spec-Drafter: one decoder pass fills k ``[MASK]`` positions.
 
@@ -335,9 +343,7 @@ class NarDrafter:
         the symbols outside the vocabulary)."""
         if self.vocabulary is None:
             return logprobs
-        full = logprobs.new_full((*logprobs.shape[:2], self.mask), float("-inf"))
-        full[:, :, self.vocabulary] = logprobs
-        return full
+        return over_all_symbols(logprobs, self.vocabulary, self.mask)
 
     def propose(self, state, tokens, lengths, plan: DraftPlan, generator) -> DraftTree:
         depth = plan.depth
@@ -359,7 +365,7 @@ class NarDrafter:
             if plan.is_chain and plan.stop_below:
                 confidence = (logits.amax(dim=-1) - logits.logsumexp(dim=-1)).exp()
                 valid = before_any_eos(best, self.eos)
-                valid &= ~finished_rows(tokens, lengths, self.eos).unsqueeze(1)
+                valid &= ~finished_rows(pending_tokens(tokens, lengths), lengths, self.eos)[:, None]
                 return stopped_chain(best, confidence, valid, plan.stop_below, self.eos)
             if plan.is_chain:
                 return greedy_chain(best, self.eos)
@@ -372,9 +378,9 @@ class NarDrafter:
             position = logprobs[:, min(level_depth, depth - 1)]
             return position.unsqueeze(1).expand(-1, level_tokens.size(1), -1)
 
-        pending = tokens.gather(1, lengths.unsqueeze(1)).squeeze(1)
+        pending = pending_tokens(tokens, lengths)
         return grow_tree(plan, pending, expand, self.eos, generator, needs_visibility=False,
-                         finished=finished_rows(tokens, lengths, self.eos))  # fmt: skip
+                         finished=finished_rows(pending, lengths, self.eos))  # fmt: skip
 
     def commit(self, encoder_out, keep: Optional[Tensor], n_keep: Tensor) -> None:
         """Nothing to keep: the next pass reads the whole verified prefix again."""
