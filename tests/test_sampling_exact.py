@@ -1,5 +1,5 @@
 """Exactness, statistically: the first two output tokens (joint) of speculative sampling and of
-RSD (both tree kinds) with both drafter kinds (the NAR one also over a draft vocabulary) are
+RSD (both tree kinds) with every drafter kind (the NAR one also over a draft vocabulary) are
 distributed exactly as sampling from the verifier; a broken acceptance rule fails the same
 chi-square test.
 
@@ -23,6 +23,7 @@ from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.rules import sampling_probs
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters.ar_drafter import ArDrafter
+from spec_nmt.drafters.feature_drafter import FeatureDrafterModel
 from spec_nmt.drafters.spec_drafter import (
     NarDrafter,
     SpecDrafterModel,
@@ -89,10 +90,13 @@ def build_models():
     restricted_drafter = copy.deepcopy(nar_drafter)
     vocabulary = torch.tensor([eos, 4, 5, 6])
     restrict_output(restricted_drafter.decoder, vocabulary)
+    torch.manual_seed(3)
+    feature_drafter = FeatureDrafterModel(verifier, unroll_steps=1, dropout=0.0).eval()
     return {
         "dictionary": dictionary,
         "verifier": verifier,
         "ar": ArDrafter(ar_drafter, pad, eos),
+        "feature": feature_drafter.decoding_adapter(pad, eos),
         "nar": NarDrafter(nar_drafter, pad, eos),
         "nar-vocabulary": NarDrafter(restricted_drafter, pad, eos, vocabulary),
     }
@@ -141,7 +145,7 @@ def speculative(models, drafter, rule, seed=0, topk=-1):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("drafter", ["nar", "ar", "nar-vocabulary"])
+@pytest.mark.parametrize("drafter", ["nar", "ar", "nar-vocabulary", "feature"])
 @pytest.mark.parametrize("rule", ["sampling", "rsd-c", "rsd-s"])
 def test_first_two_tokens_follow_the_verifier(models, drafter, rule):
     generator = speculative(models, drafter, rule)
