@@ -3,8 +3,11 @@ fairseq, Spec-Drafters and a cached drafter trained through the plugin, all made
 session with the real command-line tools. `make test` runs the tests on every core
 (pytest-xdist); the workers share each of these builds."""
 
+import contextlib
 import importlib
 import importlib.util
+import io
+import logging
 import os
 import pickle
 import re
@@ -73,14 +76,43 @@ def fairseq(tool, *args, input_text=None, check=True):
     return result
 
 
-def fairseq_error(tool, *args) -> str:
-    """The message of the SpecNmtError that fairseq-TOOL raises for ``args``, its ``cli_main``
-    run in this process (so checks of flags and files cost no interpreter start of their own;
-    that the console prints it as one line: test_errors.py's runs of the commands)."""
+def fairseq_in_process(tool, *args) -> str:
+    """What fairseq-TOOL prints for ``args``, its output and its log, its ``cli_main`` run in
+    this process, then what it registered to run at exit: the console script's code without an
+    interpreter start of its own (the scripts themselves run in test_stock_fairseq,
+    test_sampling_cli, test_bad_input...). Batches are loaded in this process (--num-workers 0):
+    a loader's worker process would outlive the call until a garbage collection waits it out."""
     cli = importlib.import_module(f"fairseq_cli.{tool}")
-    with mock.patch.object(sys, "argv", [f"fairseq-{tool}", *map(str, args)]):
-        with pytest.raises(SpecNmtError) as raised:
+    output = io.StringIO()
+    handler, root = logging.StreamHandler(output), logging.getLogger()
+    # INFO and up as in a fresh process (a SpecTranslator of another test quiets these two)
+    loggers = [root, logging.getLogger("fairseq"), logging.getLogger("spec_nmt")]
+    levels = [logger.level for logger in loggers]
+    for logger, level in zip(loggers, [logging.INFO, logging.NOTSET, logging.NOTSET]):
+        logger.setLevel(level)
+    root.addHandler(handler)
+    at_exit = []
+    try:
+        argv = [f"fairseq-{tool}", *map(str, args), "--num-workers", "0"]
+        with mock.patch.object(sys, "argv", argv), \
+                mock.patch("atexit.register", lambda *call: at_exit.append(call)), \
+                contextlib.redirect_stdout(output):  # fmt: skip
             cli.cli_main()
+            for function, *arguments in at_exit:
+                function(*arguments)
+    finally:
+        root.removeHandler(handler)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    return output.getvalue()
+
+
+def fairseq_error(tool, *args) -> str:
+    """The message of the SpecNmtError that fairseq-TOOL raises for ``args``, run in this
+    process (fairseq_in_process; that the console prints it as one line: test_errors.py's runs
+    of the commands)."""
+    with pytest.raises(SpecNmtError) as raised:
+        fairseq_in_process(tool, *args)
     message = str(raised.value)
     assert "\n" not in message, message
     return message

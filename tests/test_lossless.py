@@ -1,5 +1,6 @@
 """The lossless property: --beta 1 --tau 0 output is token-identical to stock greedy decoding,
-through fairseq-generate (batch 1 and 16), fairseq-interactive and the generator in-process, for
+through fairseq-generate (its main in this process at batch 1 and 16, the console script with
+draft trees), fairseq-interactive and the generator in-process, for
 an untrained drafter, a trained one, an autoregressive one and an oracle drafter that proposes the
 greedy answer."""
 
@@ -17,7 +18,7 @@ from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.loading import load_drafter
 from spec_nmt.settings import DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
-from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq
+from tests.conftest import BLOCK_SIZE, USER_DIR, fairseq, fairseq_in_process
 
 MAX_LEN_B = 40
 COMMON = ["--user-dir", USER_DIR, "--max-len-b", MAX_LEN_B, "--cpu"]
@@ -46,16 +47,19 @@ def mean_accepted(output):
 LEAST_ACCEPTED = 0.3
 
 
-def generate(toy, batch_size, drafter=None, *extra):
+def generate_flags(toy, batch_size, drafter=None, *extra):
     batching = ["--batch-size", batch_size, "--required-batch-size-multiple", 1]
     if drafter is None:
         task = ["--task", "translation", "--beam", 1]
     else:
         task = ["--task", "spec_translation", "--drafter-path", toy[drafter]]
         task += ["--block-size", BLOCK_SIZE, "--beta", 1, "--tau", 0, *DRAFT_IN_BATCHES]
-    result = fairseq("generate", toy["bin"], "--path", toy["verifier"], *task, *batching, *COMMON,
-                     *extra)  # fmt: skip
-    return result.stdout + result.stderr
+    return [toy["bin"], "--path", toy["verifier"], *task, *batching, *COMMON, *extra]
+
+
+def generate(toy, batch_size, drafter=None, *extra):
+    """fairseq-generate's output and log, run in this process (fairseq_in_process)."""
+    return fairseq_in_process("generate", *generate_flags(toy, batch_size, drafter, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +159,7 @@ def test_the_verifier_as_its_own_drafter_gets_every_draft_accepted(toy, stock_gr
     weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
     twin = tmp_path / "twin.pt"
     save_checkpoint(state, twin)
-    result = fairseq(
-        "generate", toy["bin"], "--path", toy["verifier"], "--task", "spec_translation",
-        "--drafter-path", twin, "--block-size", BLOCK_SIZE, *DRAFT_IN_BATCHES,
-        "--batch-size", 16, "--required-batch-size-multiple", 1, *COMMON,
-    )  # fmt: skip
-    output = result.stdout + result.stderr
+    output = generate(dict(toy, twin=twin), 16, "twin")
     assert hypotheses(output) == stock_greedy[16]
     # all k drafts + the bonus token per iteration: ceil((length + EOS) / (k + 1)) iterations
     lengths = [len(text.split()) + 1 for text in stock_greedy[16].values()]
@@ -302,7 +301,9 @@ def test_greedy_draft_trees_are_identical_to_stock_greedy(in_process, stock_gree
 
 def test_draft_tree_flags_decode_like_stock_greedy_through_fairseq_generate(toy, stock_greedy):
     """The tree flags of the lossless rule, end to end (the shapes themselves: above)."""
-    output = generate(toy, 16, "cached_drafter", "--tree-branching", "3,2,1")
+    result = fairseq("generate", *generate_flags(toy, 16, "cached_drafter", "--tree-branching",
+                                                 "3,2,1"))  # fmt: skip
+    output = result.stdout + result.stderr
     assert hypotheses(output) == stock_greedy[16]
     assert mean_accepted(output) > LEAST_ACCEPTED
 

@@ -9,7 +9,8 @@ import pytest
 from spec_nmt.decoding.rules import RULES as RULE_TABLE
 from spec_nmt.settings import DecodingSettings
 from tests.conftest import (
-    BLOCK_SIZE, OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, fairseq_error, preprocess,
+    BLOCK_SIZE, OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, fairseq_error,
+    fairseq_in_process, preprocess,
 )
 from tests.test_errors import assert_one_line_error
 from tests.test_lossless import hypotheses
@@ -22,33 +23,32 @@ RULES = {
 }
 
 
-def generate(toy, drafter, rule, *extra):
-    result = fairseq(
-        "generate", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy[drafter],
-        *SAMPLING, *RULES[rule], "--max-draft-batch", 0, "--batch-size", 8,
-        "--required-batch-size-multiple", 1, *extra,
-    )  # fmt: skip
-    return result.stdout + result.stderr
+def generate_flags(toy, drafter, rule, *extra):
+    return [toy["bin"], "--path", toy["verifier"], "--drafter-path", toy[drafter], *SAMPLING,
+            *RULES[rule], "--max-draft-batch", 0, "--batch-size", 8,
+            "--required-batch-size-multiple", 1, *extra]  # fmt: skip
 
 
 # each rule once, both drafter kinds among them (interactive below: RSD-S with the AR drafter)
 @pytest.mark.parametrize("rule,drafter", [("sampling", "drafter"), ("rsd-c", "ar_drafter"),
                                           ("rsd-s", "drafter")])  # fmt: skip
 def test_generate_samples_reproducibly_with_a_seed(toy, drafter, rule):
-    """(That another seed gives other samples is tested in-process, in test_sampling_exact.)"""
-    first = hypotheses(generate(toy, drafter, rule, "--seed", 7, "--temperature", 0.9))
-    again = hypotheses(generate(toy, drafter, rule, "--seed", 7, "--temperature", 0.9))
+    """The console script, then its main again in this process, draw the same samples.
+    (That another seed gives other samples is tested in-process, in test_sampling_exact.)"""
+    flags = generate_flags(toy, drafter, rule, "--seed", 7, "--temperature", 0.9)
+    first = hypotheses(fairseq("generate", *flags).stdout)
+    again = hypotheses(fairseq_in_process("generate", *flags))
     assert len(first) == 60
     assert first == again
 
 
 def test_rsd_without_tree_flags_draws_the_default_tree(toy):
-    result = fairseq(
+    output = fairseq_in_process(
         "generate", toy["bin"], "--path", toy["verifier"], "--drafter-path", toy["drafter"],
         *SAMPLING, "--verify", "rsd", "--max-draft-batch", 0, "--batch-size", 8,
         "--required-batch-size-multiple", 1,
     )  # fmt: skip
-    assert len(hypotheses(result.stdout)) == 60
+    assert len(hypotheses(output)) == 60
     default = DecodingSettings(verify="rsd").draft_plan
     # as measured and documented (BENCHMARKS.md, README)
     assert RULE_TABLE["rsd"].default_branching == "3,1"
