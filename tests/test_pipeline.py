@@ -237,7 +237,7 @@ def test_make_translate_gives_greedy_output_line_by_line(pipeline, model):
         "interactive", model_dir, "--path", model_dir / "verifier.pt",
         "--user-dir", REPO / "spec_nmt", "--source-lang", "de", "--target-lang", "en",
         "--bpe", "sentencepiece", "--sentencepiece-model", model_dir / "spm.model",
-        "--beam", 1, "--cpu", input_text=text,
+        "--beam", 1, *LENGTH_FLAGS, "--cpu", input_text=text,
     ).stdout  # fmt: skip
     greedy_lines = [line.split("\t")[2] for line in greedy.splitlines() if line.startswith("D-")]
     assert len(spec) == len(lines) == len(greedy_lines)
