@@ -41,8 +41,10 @@ def translator():
         {"beta": 1, "tau": 0.0, "block_size": 6, "max_draft_batch": 0},
         {"beta": 3, "tau": 1.0, "block_size": 6},
         {"beta": 5, "tau": 3.0, "block_size": 10},
+        # rows stop at different levels: a stopped row's later slots must count for nothing
+        {"beta": 3, "tau": 1.0, "block_size": 8, "draft_stop": 0.6, "max_draft_batch": 0},
     ],
-    ids=["lossless", "top3-tau1", "top5-tau3-k10"],
+    ids=["lossless", "top3-tau1", "top5-tau3-k10", "top3-tau1-stop"],
 )
 def test_mixed_batches_translate_like_one_sentence_at_a_time(translator, settings):
     alone = [translator.translate(line, **settings) for line in SENTENCES]

@@ -165,6 +165,28 @@ def test_speculative_sample_forced_decisions():
     assert n.item() == 1
 
 
+def test_a_chains_slots_that_are_not_valid_are_never_accepted():
+    """Slots after a row's stop (DraftTree.valid false) end its chain under both chain rules,
+    however well their tokens would pass; speculative sampling then draws the bonus token from
+    q there, not a correction from the residual."""
+    table = logprobs({3: -0.1}, {4: -0.1}, {5: -0.1})
+    drafts = torch.tensor([[3, 4], [3, 4]])
+    valid = torch.tensor([[True, False], [True, True]])
+    n, next_tokens = accept_top_beta(drafts, table.expand(2, -1, -1), 1, 0.0, EOS, valid)
+    assert n.tolist() == [1, 2] and next_tokens.tolist() == [4, 5]
+    rows = 400
+    p = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]).expand(rows, -1, -1)
+    q = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5],
+                      [0.25] * 4]).expand(rows, -1, -1)  # fmt: skip
+    drafts = torch.tensor([[0, 3]]).expand(rows, -1)
+    valid = torch.tensor([[True, False]]).expand(rows, -1)
+    generator = torch.Generator().manual_seed(0)
+    n, next_tokens = speculative_sample(drafts, p, q, EOS, generator, valid=valid)
+    assert n.eq(1).all()
+    # q_1 draws tokens 2 and 3; the residual max(0, q_1 - p_1) would give token 2 only
+    assert set(next_tokens.tolist()) == {2, 3}
+
+
 @pytest.mark.parametrize("topk,topp", [(2, -1.0), (-1, 0.6), (-1, 0.95), (3, 0.5)])
 def test_sampling_probs_keep_what_fairseq_sampling_keeps(topk, topp):
     torch.manual_seed(0)

@@ -37,12 +37,14 @@ def accept_top_beta(
     beta: int,
     tau: float,
     eos: int,
+    valid: Optional[Tensor] = None,  # [B, k] bool: the drafts that count (None: all)
 ) -> Tuple[Tensor, Tensor]:
     """SpecDec's top-beta/tau rule (Xia et al., 2023).
 
     Drafted token i is accepted while every token before it was accepted, it is among the
     verifier's ``beta`` best tokens at i, and its log-prob is within ``tau`` of the best one.
-    Nothing is accepted after an accepted EOS: the sentence ends there.
+    Nothing is accepted after an accepted EOS (the sentence ends there) or at a slot that is
+    not ``valid`` (a row's chain ended before it, e.g. under --draft-stop).
     With ``beta=1, tau=0`` a drafted token is accepted only when it is the verifier's own pick,
     so the output is exactly the verifier's greedy decoding.
 
@@ -75,6 +77,8 @@ def accept_top_beta(
     draft_logprobs = verifier_scores[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     within_tau = draft_logprobs >= top_logprobs[:, :k, 0] - tau
     passes = in_top_beta & within_tau
+    if valid is not None:
+        passes &= valid
 
     n_accepted = accepted_count(passes, draft_tokens, eos)
     next_tokens = next_candidates.gather(1, n_accepted.unsqueeze(1)).squeeze(1)
@@ -135,12 +139,14 @@ def speculative_sample(
     eos: int,
     generator: Optional[torch.Generator] = None,
     uniforms: Optional[Tensor] = None,  # [B, k]; drawn from generator when None
+    valid: Optional[Tensor] = None,  # [B, k] bool: the drafts that count (None: all)
 ) -> Tuple[Tensor, Tensor]:
     """Speculative sampling (Leviathan et al., 2023; Chen et al., 2023): accept d_i with
     probability min(1, q_i(d_i) / p_i(d_i)) while all earlier drafts were accepted; at the first
     rejection the next token is a *correction* from norm(max(0, q_i - p_i)); after a fully
     accepted block it is a *bonus* token from q_k. The output is distributed exactly as sampling
-    from q. Nothing is accepted after an accepted EOS.
+    from q. Nothing is accepted after an accepted EOS. A row's chain ends before its first slot
+    that is not ``valid``: reaching it, the next token is its bonus token.
 
     Returns ``(n_accepted [B], next_tokens [B])``.
     """
@@ -152,11 +158,15 @@ def speculative_sample(
     p_of_draft = draft_probs.gather(-1, index).squeeze(-1)
     # u < q/p, written without a division so that p = 0 (never drawn) cannot produce NaN.
     passes = uniforms * p_of_draft < q_of_draft
+    if valid is not None:
+        passes &= valid
     n_accepted = accepted_count(passes, draft_tokens, eos)
 
     rows = torch.arange(batch, device=draft_tokens.device)
     q_next = verifier_probs[rows, n_accepted]  # [B, V]
     rejected = n_accepted < k
+    if valid is not None and k:  # reaching the end of a row's chain is no rejection
+        rejected &= valid.gather(1, n_accepted.clamp(max=k - 1).unsqueeze(1)).squeeze(1)
     p_next = torch.zeros_like(q_next)
     p_next[rejected] = draft_probs[rows[rejected], n_accepted[rejected]].to(q_next.dtype)
     next_dist = torch.where(rejected.unsqueeze(1), residual(q_next, p_next), q_next)
@@ -340,7 +350,8 @@ def _chain_path(tree: DraftTree, n_accepted: Tensor) -> Tensor:
 def _top_beta(tree, logits, settings, eos, generator):
     if not settings.draft_plan.is_chain:
         return accept_top_beta_tree(tree, logits, settings.beta, settings.tau, eos)
-    n_accepted, next_tokens = accept_top_beta(tree.tokens, logits, settings.beta, settings.tau, eos)
+    n_accepted, next_tokens = accept_top_beta(tree.tokens, logits, settings.beta, settings.tau,
+                                              eos, tree.valid)  # fmt: skip
     return _chain_path(tree, n_accepted), n_accepted, next_tokens
 
 
@@ -348,7 +359,7 @@ def _speculative_sampling(tree, logits, settings, eos, generator):
     probs = sampling_probs(logits, settings.sampling_topk, settings.sampling_topp)
     k = tree.tokens.size(1)
     n_accepted, next_tokens = speculative_sample(
-        tree.tokens, tree.draft_probs[:, :k], probs, eos, generator
+        tree.tokens, tree.draft_probs[:, :k], probs, eos, generator, valid=tree.valid
     )
     return _chain_path(tree, n_accepted), n_accepted, next_tokens
 
