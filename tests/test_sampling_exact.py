@@ -185,7 +185,8 @@ def test_the_reference_is_what_fairseq_sampling_draws(models):
     assert chi_square_pvalue(counts, exact_joint(models).flatten()) > 1e-3
 
 
-def always_accept(draft_tokens, draft_probs, verifier_probs, eos, generator=None, uniforms=None):
+def always_accept(draft_tokens, draft_probs, verifier_probs, eos, generator=None, uniforms=None,
+                  valid=None):
     """Broken speculative sampling: accept every draft the verifier does not rule out."""
     k = draft_tokens.size(1)
     allowed = verifier_probs[:, :k].gather(2, draft_tokens.unsqueeze(2)).squeeze(2) > 0
