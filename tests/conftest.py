@@ -1,6 +1,6 @@
 """Shared fixtures: a toy corpus, a verifier and an autoregressive drafter trained with stock
 fairseq, Spec-Drafters and a cached drafter trained through the plugin, all made once per test
-session with the real command-line tools. `make test` runs the tests on every core
+session by the command-line tools' code (run in the building worker's process). `make test` runs the tests on every core
 (pytest-xdist); the workers share each of these builds."""
 
 import contextlib
@@ -29,6 +29,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # cache directory: the tests and the tools they run keep theirs apart from the user's.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="spec-nmt-test-cache-")
 
+from fairseq import checkpoint_utils
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.files import written_whole
 from tests.toy_corpus import write_corpus
@@ -76,6 +77,10 @@ def fairseq(tool, *args, input_text=None, check=True):
     return result
 
 
+# fairseq's console log lines, which the tests read (fairseq_cli's logging.basicConfig)
+FAIRSEQ_LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
+
+
 def fairseq_in_process(tool, *args) -> str:
     """What fairseq-TOOL prints for ``args``, its output and its log, its ``cli_main`` run in
     this process, then what it registered to run at exit: the console script's code without an
@@ -83,8 +88,15 @@ def fairseq_in_process(tool, *args) -> str:
     test_sampling_cli, test_bad_input...). Batches are loaded in this process (--num-workers 0):
     a loader's worker process would outlive the call until a garbage collection waits it out."""
     cli = importlib.import_module(f"fairseq_cli.{tool}")
+    # fairseq-train keeps the best validation so far on two functions; a process of its own
+    # starts without it
+    for function in (checkpoint_utils.save_checkpoint, getattr(cli, "should_stop_early", None)):
+        for attribute in ("best", "num_runs"):
+            if hasattr(function, attribute):
+                delattr(function, attribute)
     output = io.StringIO()
     handler, root = logging.StreamHandler(output), logging.getLogger()
+    handler.setFormatter(logging.Formatter(FAIRSEQ_LOG_FORMAT))
     # INFO and up as in a fresh process (a SpecTranslator of another test quiets these two)
     loggers = [root, logging.getLogger("fairseq"), logging.getLogger("spec_nmt")]
     levels = [logger.level for logger in loggers]
@@ -93,7 +105,9 @@ def fairseq_in_process(tool, *args) -> str:
     root.addHandler(handler)
     at_exit = []
     try:
-        argv = [f"fairseq-{tool}", *map(str, args), "--num-workers", "0"]
+        argv = [f"fairseq-{tool}", *map(str, args)]
+        if tool != "preprocess":  # the tools that load batches
+            argv += ["--num-workers", "0"]
         with mock.patch.object(sys, "argv", argv), \
                 mock.patch("atexit.register", lambda *call: at_exit.append(call)), \
                 contextlib.redirect_stdout(output):  # fmt: skip
@@ -132,7 +146,7 @@ def script_module(name, folder="scripts"):
 
 
 def preprocess(raw_dir, dest_dir):
-    fairseq(
+    fairseq_in_process(
         "preprocess", "--source-lang", "de", "--target-lang", "en",
         "--trainpref", raw_dir / "train", "--validpref", raw_dir / "valid",
         "--testpref", raw_dir / "test", "--destdir", dest_dir,
@@ -141,13 +155,18 @@ def preprocess(raw_dir, dest_dir):
     return dest_dir
 
 
-def train_drafter(data_bin, save_dir, max_update, *extra, check=True):
-    return fairseq(
-        "train", data_bin, "--user-dir", USER_DIR, "--task", "spec_translation",
+def drafter_training(data_bin, save_dir, max_update, *extra):
+    """fairseq-train's arguments for a toy Spec-Drafter, ``extra`` last (so they win)."""
+    return [
+        data_bin, "--user-dir", USER_DIR, "--task", "spec_translation",
         "--block-size", BLOCK_SIZE, "--criterion", "spec_drafter_loss",
         *TINY_DRAFTER, *OPTIMIZATION, "--max-update", max_update, "--save-dir", save_dir, *extra,
-        check=check,
-    )  # fmt: skip
+    ]  # fmt: skip
+
+
+def train_drafter(data_bin, save_dir, max_update, *extra) -> str:
+    """A toy drafter trained in this process (fairseq_in_process); its log."""
+    return fairseq_in_process("train", *drafter_training(data_bin, save_dir, max_update, *extra))
 
 
 def train_losses(log):
@@ -190,14 +209,14 @@ def toy(tmp_path_factory):
 def build_toy(root):
     raw = write_corpus(root / "raw")
     data_bin = preprocess(raw, root / "bin")
-    fairseq(
+    fairseq_in_process(
         "train", data_bin, "--user-dir", USER_DIR, "--task", "translation", "--arch",
         "transformer", *TINY_TRANSFORMER, *OPTIMIZATION, "--max-update", 300,
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", 0.1,
         "--save-dir", root / "verifier",
     )  # fmt: skip
     drafter_log = train_drafter(data_bin, root / "drafter", 300)
-    fairseq(
+    fairseq_in_process(
         "train", data_bin, "--task", "translation", "--arch", "transformer",
         *TINY_TRANSFORMER, "--decoder-layers", 1, *OPTIMIZATION, "--max-update", 200,
         "--criterion", "label_smoothed_cross_entropy", "--save-dir", root / "ar_drafter",
@@ -210,7 +229,7 @@ def build_toy(root):
         "--eval-acceptance-verifier", verifier, "--beta", 3, "--tau", 1,
         "--best-checkpoint-metric", "accepted_lossless", "--maximize-best-checkpoint-metric",
     )  # fmt: skip
-    feature_log = fairseq(
+    feature_log = fairseq_in_process(
         "train", data_bin, "--user-dir", USER_DIR, "--task", "translation",
         "--arch", "feature_drafter", "--verifier-path", verifier, "--unroll-steps", 3,
         "--criterion", "feature_drafter_loss", *OPTIMIZATION, "--max-update", 150,
@@ -223,12 +242,12 @@ def build_toy(root):
         "verifier": verifier,
         "cached_drafter": root / "cached_drafter" / "checkpoint_last.pt",
         "cached_drafter_best": root / "cached_drafter" / "checkpoint_best.pt",
-        "cached_drafter_log": cached_log.stdout + cached_log.stderr,
+        "cached_drafter_log": cached_log,
         "drafter": root / "drafter" / "checkpoint_last.pt",
         "drafter_dir": root / "drafter",
-        "drafter_log": drafter_log.stdout + drafter_log.stderr,
+        "drafter_log": drafter_log,
         "untrained_drafter": root / "untrained_drafter" / "checkpoint_last.pt",
         "ar_drafter": root / "ar_drafter" / "checkpoint_last.pt",
         "feature_drafter": root / "feature_drafter" / "checkpoint_last.pt",
-        "feature_drafter_log": feature_log.stdout + feature_log.stderr,
+        "feature_drafter_log": feature_log,
     }

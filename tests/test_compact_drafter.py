@@ -130,12 +130,12 @@ def test_an_unpacked_drafter_trains_on_from_where_it_was(toy, tmp_path):
     assert VERIFIER_COPIES_KEY not in state and DRAFT_VOCABULARY_KEY not in state
     save_checkpoint(state, tmp_path / "unpacked.pt")
 
-    result = train_drafter(
+    log = train_drafter(
         toy["bin"], tmp_path / "fine-tuned", 1, "--arch", "cached_drafter",
         "--cuts-per-sentence", 3, "--init-from-verifier", toy["verifier"],
         "--finetune-from-model", tmp_path / "unpacked.pt", "--lr", 1e-9, "--warmup-updates", 1,
     )  # fmt: skip
-    fine_tuned = valid_losses(result.stdout + result.stderr)
+    fine_tuned = valid_losses(log)
     trained = valid_losses(toy["cached_drafter_log"])
     assert fine_tuned and trained
     assert abs(fine_tuned[-1] - trained[-1]) < 0.02, (fine_tuned, trained)

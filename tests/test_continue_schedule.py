@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from tests.conftest import OPTIMIZATION, REPO, TINY_TRANSFORMER, fairseq
+from tests.conftest import OPTIMIZATION, REPO, TINY_TRANSFORMER, fairseq_in_process
 
 
 def continue_schedule(*args):
@@ -26,12 +26,11 @@ def test_a_weights_only_checkpoint_resumes_at_its_update_count(toy, tmp_path):
     assert made.returncode == 0, made.stderr[-2000:]
 
     def train():
-        log = fairseq(
+        return fairseq_in_process(
             "train", toy["bin"], "--arch", "transformer", *TINY_TRANSFORMER, *OPTIMIZATION,
             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", 0.1,
             "--max-update", updates + 5, "--save-dir", tmp_path / "save", "--continue-once", resumable,
         )  # fmt: skip
-        return log.stdout + log.stderr
 
     first = train()
     assert f"Loaded checkpoint {resumable} (epoch" in first and f"@ {updates} updates)" in first

@@ -8,20 +8,20 @@ from tests.conftest import (
     OPTIMIZATION,
     TINY_TRANSFORMER,
     USER_DIR,
-    fairseq,
+    fairseq_in_process,
     script_module,
     train_losses,
 )
 
 
 def test_the_decoder_trains_and_the_cached_drafter_still_pairs_with_it(toy, tmp_path):
-    result = fairseq(
+    log = fairseq_in_process(
         "train", toy["bin"], "--user-dir", USER_DIR, "--task", "translation_frozen_encoder",
         "--arch", "transformer", *TINY_TRANSFORMER, *OPTIMIZATION, "--max-update", 40,
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", 0.1,
         "--finetune-from-model", toy["verifier"], "--save-dir", tmp_path,
     )  # fmt: skip
-    assert len(train_losses(result.stdout + result.stderr)) >= 1
+    assert len(train_losses(log)) >= 1
     (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
         [str(toy["cached_drafter"])], arg_overrides={"data": str(toy["bin"])}
     )

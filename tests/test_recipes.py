@@ -21,7 +21,7 @@ from packaging.specifiers import SpecifierSet
 from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.data_prep import check_raw_dir
 from spec_nmt.errors import SpecNmtError
-from tests.conftest import BIN, BUNDLED_MODEL_DIR, REPO, fairseq, script_module
+from tests.conftest import BIN, BUNDLED_MODEL_DIR, REPO, fairseq_error, script_module
 from tests.toy_corpus import write_corpus
 
 PYTHON_SCRIPTS = sorted((REPO / "scripts").glob("*.py")) + [REPO / "benchmarks" / "benchmark.py"]
@@ -178,17 +178,13 @@ def test_benchmark_run_reports_the_defaults_acceptance_at_batch_1(tmp_path):
 
 
 def test_init_from_verifier_rejects_a_different_encoder_shape(toy, tmp_path):
-    result = fairseq(
+    message = fairseq_error(
         "train", toy["bin"], "--user-dir", REPO / "spec_nmt", "--task", "spec_translation",
         "--arch", "spec_drafter_small", "--share-all-embeddings", "--criterion", "spec_drafter_loss",
         "--init-from-verifier", toy["verifier"], "--max-update", 1, "--cpu",
         "--save-dir", tmp_path, "--optimizer", "adam", "--lr", "0.001", "--max-tokens", "500",
-        check=False,
     )  # fmt: skip
-    assert result.returncode != 0
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("spec_nmt error")]
-    assert len(error_lines) == 1 and "--init-from-verifier" in error_lines[0]
-    assert "Traceback" not in result.stderr
+    assert "--init-from-verifier" in message
 
 
 def test_prepare_checks_its_input(tmp_path):

@@ -101,7 +101,7 @@ def test_ar_drafter_with_another_dictionary_is_refused(toy, tmp_path):
     with open(other_raw / "train.de", "a") as extra:
         extra.write("ganz neue wörter\n")
     other_bin = preprocess(other_raw, tmp_path / "bin")
-    fairseq(
+    fairseq_in_process(
         "train", other_bin, "--task", "translation", "--arch", "transformer", *TINY_TRANSFORMER,
         "--decoder-layers", 1, *OPTIMIZATION, "--max-update", 1, "--save-dir", tmp_path / "ar",
     )  # fmt: skip
@@ -113,7 +113,7 @@ def test_ar_drafter_with_another_dictionary_is_refused(toy, tmp_path):
 
 
 def test_a_checkpoint_of_another_model_family_is_refused(toy, tmp_path):
-    fairseq(
+    fairseq_in_process(
         "train", toy["bin"], "--task", "translation", "--arch", "lstm", "--encoder-layers", 1,
         "--decoder-layers", 1, "--encoder-embed-dim", 16, "--decoder-embed-dim", 16,
         "--decoder-out-embed-dim", 16, "--encoder-hidden-size", 16, "--decoder-hidden-size", 16,

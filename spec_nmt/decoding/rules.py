@@ -25,10 +25,16 @@ def check_top_beta_params(beta: int, tau: float) -> None:
         raise SpecNmtError(f"--tau must be >= 0, got {tau}")
 
 
-def accepted_count(passes: Tensor, draft_tokens: Tensor, eos: int) -> Tensor:
+def accepted_count(
+    passes: Tensor, draft_tokens: Tensor, eos: int, valid: Optional[Tensor] = None
+) -> Tensor:
     """Accepted drafts per row [B]: the leading run of drafts that pass [B, k], none after an
-    accepted EOS (the sentence ends there)."""
-    return (passes & before_any_eos(draft_tokens, eos)).long().cumprod(dim=1).sum(dim=1)
+    accepted EOS (the sentence ends there) nor at a slot that is not ``valid`` [B, k] (the
+    row's chain ended before it)."""
+    counted = passes & before_any_eos(draft_tokens, eos)
+    if valid is not None:
+        counted &= valid
+    return counted.long().cumprod(dim=1).sum(dim=1)
 
 
 def accept_top_beta(
@@ -76,11 +82,7 @@ def accept_top_beta(
     in_top_beta = block_top_tokens.eq(draft_tokens.unsqueeze(-1)).any(dim=-1)  # [B, k]
     draft_logprobs = verifier_scores[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     within_tau = draft_logprobs >= top_logprobs[:, :k, 0] - tau
-    passes = in_top_beta & within_tau
-    if valid is not None:
-        passes &= valid
-
-    n_accepted = accepted_count(passes, draft_tokens, eos)
+    n_accepted = accepted_count(in_top_beta & within_tau, draft_tokens, eos, valid)
     next_tokens = next_candidates.gather(1, n_accepted.unsqueeze(1)).squeeze(1)
     return n_accepted, next_tokens
 
@@ -158,9 +160,7 @@ def speculative_sample(
     p_of_draft = draft_probs.gather(-1, index).squeeze(-1)
     # u < q/p, written without a division so that p = 0 (never drawn) cannot produce NaN.
     passes = uniforms * p_of_draft < q_of_draft
-    if valid is not None:
-        passes &= valid
-    n_accepted = accepted_count(passes, draft_tokens, eos)
+    n_accepted = accepted_count(passes, draft_tokens, eos, valid)
 
     rows = torch.arange(batch, device=draft_tokens.device)
     q_next = verifier_probs[rows, n_accepted]  # [B, V]

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from spec_nmt.checkpoint_loading import model_config
 from spec_nmt.decoding.drafter import (
-    finished_rows, grow_tree, no_drafts, pending_tokens, stopped_chain,
+    finished_rows, goes_on, grow_tree, no_drafts, pending_tokens, stopped_chain,
 )
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer, ScorerState, among_real_entries, value_range
@@ -489,7 +489,7 @@ def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, finished: Tens
     ``projection``'s rows are the symbols of ``vocabulary`` (ascending ids), or without one all
     symbols, of which ``pad`` is never drafted. Returns the drafts and, with ``stop_below`` > 0,
     their probabilities under the drafter [B, n] (else zeros): the chain ends, perhaps before
-    ``drafts``, where no row goes on (drafter.goes_on; ``finished`` rows [B] never do, nor a
+    ``drafts``, where no row goes on (goes_on; ``finished`` rows [B] never do, nor a
     row after its EOS)."""
     channels = states.size(-1)
     made: List[Tensor] = []
@@ -528,9 +528,9 @@ def greedy_drafts(states: Tensor, tokens: Tensor, counts: Tensor, finished: Tens
             chosen = vocabulary[chosen]
         made.append(chosen)
         confidence = torch.zeros_like(best)
-        if stop_below > 0:  # drafter.goes_on
+        if stop_below > 0:
             confidence = (best - logits.logsumexp(dim=-1)).exp()
-            going = going & chosen.squeeze(1).ne(eos) & (confidence.squeeze(1) >= stop_below)
+            going = goes_on(chosen.squeeze(1), confidence.squeeze(1), going, stop_below, eos)
         confidences.append(confidence)
         if stop_below > 0 and not bool(going.any()):
             break
