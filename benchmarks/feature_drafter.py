@@ -114,10 +114,13 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=500, help="the valid split's first N lines")
     parser.add_argument("--blocks", default="10,3", help="block sizes k to simulate")
     parser.add_argument("--time-lines", type=int, default=64,
-                        help="lines timed at batch 1 (fairseq greedy against drafting)")
+                        help="lines timed at batch 1 (fairseq greedy against drafting; "
+                             "0: acceptance only)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.time_lines < 0:
+        parser.error(f"--time-lines must be >= 0, got {args.time_lines}")
     torch.set_num_threads(args.threads)
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [args.checkpoint], arg_overrides={"data": args.data_bin})
@@ -137,18 +140,20 @@ def main() -> None:
                 simulation.sentence(dataset[index]["source"], translations[index])
             results[f"k{k}"] = simulation.summary()
             print(json.dumps(results[f"k{k}"]), flush=True)
-        # batch 1: fairseq greedy's time per token against the drafter's per iteration
-        timed = indices[: args.time_lines]
-        started = time.perf_counter()
-        greedy = greedy_translations(task, model, timed, batch_size=1)
-        greedy_ms = 1000 * (time.perf_counter() - started) / sum(t.numel() for t in greedy.values())
-        for k in (int(k) for k in args.blocks.split(",")):
-            simulation = Simulation(model, k, eos)
-            for index in timed:
-                simulation.sentence(dataset[index]["source"], greedy[index])
-            cost = simulation.summary()["drafting_ms_per_iteration"]
-            results[f"k{k}"]["drafting_greedy_steps_per_iteration"] = round(cost / greedy_ms, 3)
-        results["fairseq_greedy_ms_per_token"] = round(greedy_ms, 3)
+        if args.time_lines:
+            # batch 1: fairseq greedy's time per token against the drafter's per iteration
+            timed = indices[: args.time_lines]
+            started = time.perf_counter()
+            greedy = greedy_translations(task, model, timed, batch_size=1)
+            tokens = sum(t.numel() for t in greedy.values())
+            greedy_ms = 1000 * (time.perf_counter() - started) / tokens
+            for k in (int(k) for k in args.blocks.split(",")):
+                simulation = Simulation(model, k, eos)
+                for index in timed:
+                    simulation.sentence(dataset[index]["source"], greedy[index])
+                cost = simulation.summary()["drafting_ms_per_iteration"]
+                results[f"k{k}"]["drafting_greedy_steps_per_iteration"] = round(cost / greedy_ms, 3)
+            results["fairseq_greedy_ms_per_token"] = round(greedy_ms, 3)
     print(json.dumps(results, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")

@@ -4,8 +4,10 @@ decoding loop accepts what the simulation accepts (stock fairseq greedy: test_lo
 scripted call drafts a greedy chain as one call per draft does, each node of a draft tree
 is drafted from its own path, and its export is compact."""
 
+import json
 import shutil
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from tests.conftest import REPO, script_module, train_losses
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from feature_drafter import Simulation, greedy_translations  # noqa: E402
+from feature_drafter import main as replay_main  # noqa: E402
 
 UNROLL = 3  # as conftest trains it
 
@@ -91,6 +94,24 @@ def test_the_simulation_accounts_for_every_token(trained):
     assert summary["positions_judged"][0] == simulation.iterations - len(indices)
     assert all(later <= earlier for earlier, later in
                zip(summary["positions_judged"], summary["positions_judged"][1:]))
+
+
+def test_the_replay_script_reports_acceptance_and_times_drafting_when_asked(toy, tmp_path):
+    out = tmp_path / "replay.json"
+    flags = [str(toy["feature_drafter"]), "--data-bin", str(toy["bin"]), "--lines", "6",
+             "--blocks", "3", "--threads", "1", "--json", str(out)]  # fmt: skip
+    for time_lines in (0, 2):
+        with mock.patch.object(sys, "argv", ["feature_drafter.py", *flags,
+                                             "--time-lines", str(time_lines)]):  # fmt: skip
+            replay_main()
+        results = json.loads(out.read_text())
+        assert results["lines"] == 6 and 0 <= results["k3"]["accepted_per_iteration"] <= 3
+        timed = ("fairseq_greedy_ms_per_token" in results,
+                 "drafting_greedy_steps_per_iteration" in results["k3"])  # fmt: skip
+        assert timed == (bool(time_lines), bool(time_lines))
+    with mock.patch.object(sys, "argv", ["feature_drafter.py", *flags, "--time-lines", "-1"]):
+        with pytest.raises(SystemExit):
+            replay_main()
 
 
 @pytest.fixture(scope="module")
