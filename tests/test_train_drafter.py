@@ -16,7 +16,7 @@ from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.drafters.verifier_layout import adopt_verifier_layout
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
-from tests.conftest import BLOCK_SIZE, drafter_training, fairseq_error, train_drafter, train_losses
+from tests.conftest import BLOCK_SIZE, drafter_training, fairseq, train_drafter, train_losses
 
 
 def load_toy_drafter(toy):
@@ -88,8 +88,12 @@ def test_bad_drafter_training_flags_are_refused_in_one_line(flags, message):
 
 
 def test_training_a_drafter_without_masks_is_refused_in_one_line(toy, tmp_path):
+    # the console script itself: a refused training prints one line, no traceback
     training = drafter_training(toy["bin"], tmp_path / "d", 1, "--block-size", 0)
-    assert "a drafter trains on k >= 1 masks" in fairseq_error("train", *training)
+    result = fairseq("train", *training, check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("spec_nmt error: ") and "a drafter trains on k >= 1 masks" in last, last
     assert not (tmp_path / "d" / "checkpoint_last.pt").exists()
 
 
