@@ -119,8 +119,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    if args.time_lines < 0:
-        parser.error(f"--time-lines must be >= 0, got {args.time_lines}")
+    if args.lines < 1 or args.time_lines < 0:
+        parser.error(f"--lines must be >= 1 and --time-lines >= 0, got {args.lines} and "
+                     f"{args.time_lines}")
     torch.set_num_threads(args.threads)
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [args.checkpoint], arg_overrides={"data": args.data_bin})

@@ -1,7 +1,7 @@
 """Shared fixtures: a toy corpus, a verifier and an autoregressive drafter trained with stock
 fairseq, Spec-Drafters and a cached drafter trained through the plugin, all made once per test
-session by the command-line tools' code (run in the building worker's process). `make test` runs the tests on every core
-(pytest-xdist); the workers share each of these builds."""
+session by the command-line tools' code (run in the building worker's process). `make test`
+runs the tests on every core (pytest-xdist); the workers share each of these builds."""
 
 import contextlib
 import importlib
@@ -10,6 +10,7 @@ import io
 import logging
 import os
 import pickle
+import random
 import re
 import subprocess
 import sys
@@ -29,7 +30,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # cache directory: the tests and the tools they run keep theirs apart from the user's.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="spec-nmt-test-cache-")
 
+import numpy as np
+import torch
 from fairseq import checkpoint_utils
+from fairseq.logging import metrics
+
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.files import written_whole
 from tests.toy_corpus import write_corpus
@@ -79,6 +84,33 @@ def fairseq(tool, *args, input_text=None, check=True):
 
 # fairseq's console log lines, which the tests read (fairseq_cli's logging.basicConfig)
 FAIRSEQ_LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
+FAIRSEQ_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+@contextlib.contextmanager
+def as_in_a_process_of_its_own(cli):
+    """What a fairseq tool's ``cli`` module leaves behind in this process, undone: fairseq-train
+    keeps the best validation so far and the patience count on two functions, seeds the global
+    random generators and may leave the metrics' aggregators half entered (a refusal raised
+    while validating); fairseq-preprocess adds a log file handler at each run."""
+    for function in (checkpoint_utils.save_checkpoint, getattr(cli, "should_stop_early", None)):
+        for attribute in ("best", "num_runs"):
+            if hasattr(function, attribute):
+                delattr(function, attribute)
+    tool_logger = logging.getLogger(cli.__name__)
+    handlers = list(tool_logger.handlers)
+    random_states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        metrics.reset()
+        for handler in tool_logger.handlers[:]:
+            if handler not in handlers:
+                tool_logger.removeHandler(handler)
+                handler.close()
+        random.setstate(random_states[0])
+        np.random.set_state(random_states[1])
+        torch.set_rng_state(random_states[2])
 
 
 def fairseq_in_process(tool, *args) -> str:
@@ -88,15 +120,9 @@ def fairseq_in_process(tool, *args) -> str:
     test_sampling_cli, test_bad_input...). Batches are loaded in this process (--num-workers 0):
     a loader's worker process would outlive the call until a garbage collection waits it out."""
     cli = importlib.import_module(f"fairseq_cli.{tool}")
-    # fairseq-train keeps the best validation so far on two functions; a process of its own
-    # starts without it
-    for function in (checkpoint_utils.save_checkpoint, getattr(cli, "should_stop_early", None)):
-        for attribute in ("best", "num_runs"):
-            if hasattr(function, attribute):
-                delattr(function, attribute)
     output = io.StringIO()
     handler, root = logging.StreamHandler(output), logging.getLogger()
-    handler.setFormatter(logging.Formatter(FAIRSEQ_LOG_FORMAT))
+    handler.setFormatter(logging.Formatter(FAIRSEQ_LOG_FORMAT, FAIRSEQ_DATE_FORMAT))
     # INFO and up as in a fresh process (a SpecTranslator of another test quiets these two)
     loggers = [root, logging.getLogger("fairseq"), logging.getLogger("spec_nmt")]
     levels = [logger.level for logger in loggers]
@@ -110,7 +136,7 @@ def fairseq_in_process(tool, *args) -> str:
             argv += ["--num-workers", "0"]
         with mock.patch.object(sys, "argv", argv), \
                 mock.patch("atexit.register", lambda *call: at_exit.append(call)), \
-                contextlib.redirect_stdout(output):  # fmt: skip
+                contextlib.redirect_stdout(output), as_in_a_process_of_its_own(cli):  # fmt: skip
             cli.cli_main()
             for function, *arguments in at_exit:
                 function(*arguments)

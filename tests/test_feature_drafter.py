@@ -98,10 +98,11 @@ def test_the_simulation_accounts_for_every_token(trained):
 
 def test_the_replay_script_reports_acceptance_and_times_drafting_when_asked(toy, tmp_path):
     out = tmp_path / "replay.json"
-    flags = [str(toy["feature_drafter"]), "--data-bin", str(toy["bin"]), "--lines", "6",
-             "--blocks", "3", "--threads", "1", "--json", str(out)]  # fmt: skip
+    # (the script sets the thread count: this process's own)
+    flags = [str(toy["feature_drafter"]), "--data-bin", str(toy["bin"]), "--blocks", "3",
+             "--threads", str(torch.get_num_threads()), "--json", str(out)]  # fmt: skip
     for time_lines in (0, 2):
-        with mock.patch.object(sys, "argv", ["feature_drafter.py", *flags,
+        with mock.patch.object(sys, "argv", ["feature_drafter.py", *flags, "--lines", "6",
                                              "--time-lines", str(time_lines)]):  # fmt: skip
             replay_main()
         results = json.loads(out.read_text())
@@ -109,9 +110,10 @@ def test_the_replay_script_reports_acceptance_and_times_drafting_when_asked(toy,
         timed = ("fairseq_greedy_ms_per_token" in results,
                  "drafting_greedy_steps_per_iteration" in results["k3"])  # fmt: skip
         assert timed == (bool(time_lines), bool(time_lines))
-    with mock.patch.object(sys, "argv", ["feature_drafter.py", *flags, "--time-lines", "-1"]):
-        with pytest.raises(SystemExit):
-            replay_main()
+    for refused in (["--lines", "6", "--time-lines", "-1"], ["--lines", "0"]):
+        with mock.patch.object(sys, "argv", ["feature_drafter.py", *flags, *refused]):
+            with pytest.raises(SystemExit):
+                replay_main()
 
 
 @pytest.fixture(scope="module")

@@ -50,14 +50,17 @@ LENGTH_FLAGS = DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"])
 
 
 def stock_greedy(model_dir, text):
-    """Stock fairseq-interactive's greedy translations of the lines of ``text``, in order."""
+    """Stock fairseq-interactive's greedy translations of the lines of ``text``, in order, one
+    sentence at a time."""
     output = fairseq(
         "interactive", model_dir, "--path", model_dir / "verifier.pt",
         "--user-dir", REPO / "spec_nmt", "--source-lang", "de", "--target-lang", "en",
         "--bpe", "sentencepiece", "--sentencepiece-model", model_dir / "spm.model",
-        "--beam", 1, *LENGTH_FLAGS, "--cpu", input_text=text,
+        "--beam", 1, *LENGTH_FLAGS, "--batch-size", 1, "--buffer-size", 1, "--cpu",
+        input_text=text,
     ).stdout  # fmt: skip
     return [line.split("\t")[2] for line in output.splitlines() if line.startswith("D-")]
+
 
 # the verifier's decoder depth, which the campaign's drafters (2, 2, 1 and 2 layers) do not take
 VERIFIER_DECODER_LAYERS = 3
