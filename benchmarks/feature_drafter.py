@@ -122,6 +122,7 @@ def main() -> None:
     if args.lines < 1 or args.time_lines < 0:
         parser.error(f"--lines must be >= 1 and --time-lines >= 0, got {args.lines} and "
                      f"{args.time_lines}")
+    blocks = [int(k) for k in args.blocks.split(",")]
     torch.set_num_threads(args.threads)
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [args.checkpoint], arg_overrides={"data": args.data_bin})
@@ -135,7 +136,7 @@ def main() -> None:
                "torch": torch.__version__, "threads": args.threads}
     with torch.no_grad():
         translations = greedy_translations(task, model, indices, batch_size=50)
-        for k in (int(k) for k in args.blocks.split(",")):
+        for k in blocks:
             simulation = Simulation(model, k, eos)
             for index in indices:
                 simulation.sentence(dataset[index]["source"], translations[index])
@@ -148,7 +149,7 @@ def main() -> None:
             greedy = greedy_translations(task, model, timed, batch_size=1)
             tokens = sum(t.numel() for t in greedy.values())
             greedy_ms = 1000 * (time.perf_counter() - started) / tokens
-            for k in (int(k) for k in args.blocks.split(",")):
+            for k in blocks:
                 simulation = Simulation(model, k, eos)
                 for index in timed:
                     simulation.sentence(dataset[index]["source"], greedy[index])

@@ -2,7 +2,6 @@
 reproduce, every input line gets one output in order, bad flags give one-line errors."""
 
 import os
-import shutil
 
 import pytest
 
@@ -10,9 +9,9 @@ from spec_nmt.decoding.rules import RULES as RULE_TABLE
 from spec_nmt.settings import DecodingSettings
 from tests.conftest import (
     BLOCK_SIZE, OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, fairseq_error,
-    fairseq_in_process, preprocess,
+    fairseq_in_process,
 )
-from tests.test_errors import assert_one_line_error
+from tests.test_errors import assert_one_line_error, data_with_extra_lines
 from tests.test_lossless import hypotheses
 
 SAMPLING = ["--user-dir", USER_DIR, "--task", "spec_translation", "--max-len-b", 40, "--cpu"]
@@ -94,13 +93,7 @@ def test_bad_sampling_flags_give_one_line_errors(toy, flags, message):
 
 
 def test_ar_drafter_with_another_dictionary_is_refused(toy, tmp_path):
-    other_raw = tmp_path / "raw"
-    shutil.copytree(toy["raw"], other_raw)
-    with open(other_raw / "train.en", "a") as extra:
-        extra.write("brandnew words only here\n")
-    with open(other_raw / "train.de", "a") as extra:
-        extra.write("ganz neue wörter\n")
-    other_bin = preprocess(other_raw, tmp_path / "bin")
+    other_bin = data_with_extra_lines(toy, tmp_path, "brandnew words only here", "ganz neue wörter")
     fairseq_in_process(
         "train", other_bin, "--task", "translation", "--arch", "transformer", *TINY_TRANSFORMER,
         "--decoder-layers", 1, *OPTIMIZATION, "--max-update", 1, "--save-dir", tmp_path / "ar",
