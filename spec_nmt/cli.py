@@ -31,7 +31,7 @@ from spec_nmt.decoding.loop import DecodingStats
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
-from spec_nmt.settings import DEFAULTS, flag_help
+from spec_nmt.settings import DECODING_LOOPS, DEFAULTS, flag_help
 from spec_nmt.text import tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
@@ -39,7 +39,8 @@ PROGRESS_MIN_LINES = 300
 DEFAULT_BUFFER_SIZE = 1000
 # The decoding settings spec-nmt-translate takes as flags, with DecodingSettings' help texts.
 SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "draft_stop", "max_draft_batch",
-                 "temperature", "sampling_topk", "sampling_topp", "seed")  # fmt: skip
+                 "decoding_loop", "temperature", "sampling_topk", "sampling_topp",
+                 "seed")  # fmt: skip
 SAMPLING_SETTINGS = ("temperature", "sampling_topk", "sampling_topp", "seed")
 # Whether the input is text is judged on its first bytes: a NUL byte there, or more than this
 # share of its characters not UTF-8, and it is refused. German text in Latin-1 (its umlauts
@@ -66,7 +67,7 @@ def parse_args(argv=None):
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             type=int if default is None else type(default),
-            choices=list(RULES) if name == "verify" else None,
+            choices={"verify": list(RULES), "decoding_loop": list(DECODING_LOOPS)}.get(name),
             default=None,
             help=flag_help(name, with_default=name != "seed")
             + ("; default: a fresh seed each run, so runs differ" if name == "seed" else ""),

@@ -97,6 +97,14 @@ class DecodingSettings:
         "the most sentences a batch may have and still draft; larger batches decode with the "
         "verifier alone (0: draft in every batch; default: 1 for the lossless rule and the "
         "sampling rules, no limit for a relaxed --beta/--tau)")})
+    # The static loop (decoding/static_loop.py) removes the host's waits and, on CUDA, replays
+    # each iteration as one captured graph; it serves top_beta chains with the cached drafter or
+    # none, and every other batch decodes on the dynamic loop. Both give the same tokens.
+    decoding_loop: str = field(default="static", metadata={"help": (
+        "static: preallocated caches, acceptance on the device and one host read per "
+        "iteration (captured as a CUDA graph on a GPU), for the top_beta rule with chains of "
+        "drafts; other rules and draft shapes decode on the dynamic loop. dynamic: always the "
+        "dynamic loop (same output)")})
     # sampling (rules sampling and rsd)
     temperature: float = field(default=1.0, metadata={"help": (
         "sampling rules: the verifier's logits are divided by it (below 1: closer to greedy)")})
@@ -123,6 +131,9 @@ class DecodingSettings:
                 f"--block-size must be an integer >= 0 (0: no drafts), got {self.block_size}"
             )
         check_top_beta_params(self.beta, self.tau)
+        if self.decoding_loop not in DECODING_LOOPS:
+            raise SpecNmtError(f"--decoding-loop must be one of {', '.join(DECODING_LOOPS)}, "
+                               f"got {self.decoding_loop!r}")
         if not 0 <= self.draft_stop < 1:
             raise SpecNmtError(
                 f"--draft-stop must be in [0, 1) (0: no stop), got {self.draft_stop}"
@@ -251,6 +262,7 @@ def flag_help(name: str, with_default: bool = True) -> str:
     return text
 
 
+DECODING_LOOPS = ("static", "dynamic")
 # The default largest drafting batch of the rules whose translations the drafts cannot change:
 # the bundled pair's drafts about pay for themselves for one sentence and lose from two on
 # (BENCHMARKS.md, "Speed by batch size").
@@ -261,7 +273,7 @@ DEFAULTS = DecodingSettings()
 REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
 # the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
 RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
-                 "draft_stop", "max_draft_batch")  # fmt: skip
+                 "draft_stop", "max_draft_batch", "decoding_loop")  # fmt: skip
 GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))
 
 

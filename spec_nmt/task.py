@@ -38,10 +38,17 @@ from spec_nmt.loading import (
     read_checkpoint,
     with_mask,
 )
-from spec_nmt.settings import DEFAULTS, RULE_SETTINGS, DecodingSettings, check_generation_args
+from spec_nmt.settings import (
+    DECODING_LOOPS,
+    DEFAULTS,
+    RULE_SETTINGS,
+    DecodingSettings,
+    check_generation_args,
+)
 from spec_nmt.text import cut_to_limit, tolerant_stdin
 
 VERIFY_CHOICES = ChoiceEnum(list(RULES))
+LOOP_CHOICES = ChoiceEnum(list(DECODING_LOOPS))
 DRAFTER_PRECISIONS = ChoiceEnum(list(DRAFTER_PRECISION_NAMES))
 
 
@@ -100,7 +107,8 @@ def _decoding_options():
     options = []
     for setting in dataclasses.fields(DecodingSettings):
         if setting.name in RULE_SETTINGS:
-            kind = VERIFY_CHOICES if setting.name == "verify" else setting.type
+            kind = {"verify": VERIFY_CHOICES, "decoding_loop": LOOP_CHOICES}.get(setting.name,
+                                                                               setting.type)
             options.append((setting.name, kind, field(default=setting.default,
                                                       metadata=setting.metadata)))  # fmt: skip
     return options

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from spec_nmt.decoding.drafter import Drafter, NoDrafter, pending_tokens
 from spec_nmt.decoding.rules import RULES
+from spec_nmt.decoding.static_loop import StaticLoop, emitted_tokens
 from spec_nmt.decoding.trace import IterationRecord, trace_records
 from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility
 from spec_nmt.errors import SpecNmtError
@@ -91,6 +92,10 @@ class SpeculativeGenerator:
         self.symbols_to_strip_from_output = {self.eos}
         self.max_len = verifier.max_positions()
         self.stats = DecodingStats()
+        # the static loop, for the batches it serves (settings.decoding_loop)
+        self.static = None
+        if settings.decoding_loop == "static":
+            self.static = StaticLoop(verifier, settings, self.eos, self.pad, self.unk)
 
     def rng(self, device: torch.device) -> torch.Generator:
         """The sampling generator: one per decoder, seeded once, so a run is reproducible."""
@@ -117,9 +122,16 @@ class SpeculativeGenerator:
         src_lengths = net_input.get("src_lengths")
         if src_lengths is None:
             src_lengths = src_tokens.ne(self.pad).sum(dim=1)
-        max_lens = self._max_lengths(src_lengths)
-        if self.settings.min_len > int(max_lens.min()):
+        source_lengths = src_lengths.tolist()  # the batch's one read before decoding
+        limits = self._max_lengths(source_lengths)
+        if self.settings.min_len > min(limits):
             raise SpecNmtError("--min-len cannot be larger than the maximum output length")
+        max_lens = torch.tensor(limits, device=src_tokens.device)
+        if trace is None and self.static is not None:
+            drafter, plan = self._drafting(sum(length > 1 for length in source_lengths))
+            if StaticLoop.serves(self.settings, plan, drafter, self.verifier):
+                return self._generate_static(net_input, src_lengths, source_lengths, max_lens,
+                                             drafter, plan)  # fmt: skip
         rng = self.rng(src_tokens.device)
         batch = self._start(net_input, src_lengths, max_lens)
         rows = batch.rows
@@ -146,6 +158,30 @@ class SpeculativeGenerator:
             self._finish(batch, ended)
         self.stats.sentences += src_tokens.size(0)
         return batch.finalized
+
+    def _generate_static(self, net_input: Dict, src_lengths: Tensor, source_lengths: List[int],
+                         max_lens: Tensor, drafter: Drafter, plan: DraftPlan):  # fmt: skip
+        """``generate`` on the static loop (static_loop.py): the same hypotheses and totals."""
+        if drafter is not self.drafter:
+            self.stats.batches_without_drafts += 1
+        decoded = self.static.decode(net_input, src_lengths, max_lens, int(max_lens.max()),
+                                     drafter, plan.depth)
+        finalized = []
+        for row, source_length in enumerate(source_lengths):
+            length = int(decoded["lengths"][row])
+            hypothesis = self._hypothesis(decoded["tokens"][row], decoded["scores"][row], length)
+            if source_length > 1:  # (an empty line's EOS comes without decoding)
+                hypothesis["spec_iterations"] = int(decoded["iterations"][row])
+                hypothesis["spec_accepted_tokens"] = int(decoded["accepted"][row])
+            finalized.append([hypothesis])
+        iterations = int(decoded["iterations"].sum())
+        self.stats.iterations += iterations
+        self.stats.batched_verifier_calls += decoded["calls"]
+        self.stats.drafted_tokens += plan.depth * iterations
+        self.stats.accepted_tokens += int(decoded["accepted"].sum())
+        self.stats.output_tokens += int(decoded["lengths"].sum())
+        self.stats.sentences += len(source_lengths)
+        return finalized
 
     def _start(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor) -> "BatchDecoding":
         """Encode the batch and start both states. Empty source lines (the appended EOS only)
@@ -197,7 +233,7 @@ class SpeculativeGenerator:
         [pending, accepted path] in both caches. Returns the rows this iteration finished."""
         rows = batch.rows
         path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
-        emitted, n_emitted, ended = _emitted_tokens(path_tokens, n_accepted, next_tokens, self.eos)
+        emitted, n_emitted, ended = emitted_tokens(path_tokens, n_accepted, next_tokens, self.eos)
         n_emitted *= rows.live
         device = emitted.device
         root = torch.zeros_like(next_tokens).unsqueeze(1)
@@ -269,14 +305,13 @@ class SpeculativeGenerator:
             self.verifier.select_rows(batch.verifier_state, keep)
             batch.drafter.select_rows(batch.drafter_state, keep)
 
-    def _max_lengths(self, src_lengths: Tensor) -> Tensor:
+    def _max_lengths(self, source_lengths: List[int]) -> List[int]:
         """Each sentence's output length limit, max_len_a * its source length + max_len_b, in
         SequenceGenerator's arithmetic. SequenceGenerator takes the padded width of the batch
         instead; a per-sentence limit keeps a translation independent of what else is in its
         batch (the same as SequenceGenerator's for a sentence decoded alone)."""
         a, b = self.settings.max_len_a, self.settings.max_len_b
-        limits = [min(int(a * length + b), self.max_len - 1) for length in src_lengths.tolist()]
-        return torch.tensor(limits, device=src_lengths.device)
+        return [min(int(a * length + b), self.max_len - 1) for length in source_lengths]
 
     def constrain(
         self, logits: Tensor, lengths: Tensor, depths: Tensor, max_lens: Tensor
@@ -321,20 +356,6 @@ class SpeculativeGenerator:
     def log_summary(self) -> None:
         if self.stats.sentences:
             logger.info(self.stats.summary())
-
-
-def _emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos: int):
-    """What an iteration appends to each row, given the drafts along the accepted path [B, k]
-    (the first n_accepted count): tokens [B, k+1] (the accepted drafts, then the
-    correction/bonus token unless an accepted EOS ended the sentence), how many of them count
-    [B], and whether the row is finished [B]."""
-    k = drafts.size(1)
-    emitted = torch.cat([drafts, drafts.new_zeros(drafts.size(0), 1)], dim=1)
-    emitted.scatter_(1, n_accepted.unsqueeze(1), next_tokens.unsqueeze(1))
-    accepted_mask = torch.arange(k, device=drafts.device) < n_accepted.unsqueeze(1)
-    eos_accepted = (drafts.eq(eos) & accepted_mask).any(dim=1)
-    ended = eos_accepted | next_tokens.eq(eos)
-    return emitted, n_accepted + (~eos_accepted).long(), ended
 
 
 @dataclass

@@ -1,0 +1,410 @@
+"""The static-shape decoding loop: a batch's tensors allocated once at their final size, one host
+read per iteration, and on CUDA each iteration replayed as one captured graph.
+
+The dynamic loop (loop.py) grows its caches, drops finished sentences and reads sizes from the
+device to slice; on a GPU each read makes the host wait (about 8 per verifier call), and the few
+hundred small kernels of an iteration are launched one by one from Python. Here, per batch:
+- the verifier's and the drafter's self-attention caches hold ``capacity`` slots per row (the
+  batch's output limit plus room for one iteration's blocks), written in place at each row's
+  positions. Attention reads the whole cache under a mask built on the device from each row's
+  length, so a rejected entry costs nothing: the next block overwrites it;
+- every block has a fixed width. The verifier scores [pending token, k drafts]; the cached
+  drafter feeds k + 1 prefix slots (the at most k + 1 tokens committed since its last call, then
+  slots no mask sees) and its k masks;
+- acceptance (top-beta/tau, lossless with beta 1), the commit and the next input are computed on
+  the device. A finished row stays in the batch and changes nothing;
+- the host reads one flag per iteration (whether a row is still going), through ``host_read``.
+On CUDA the whole iteration (draft, score, accept, commit) is captured once per batch size, source
+length bucket, k and settings, then replayed: one launch instead of hundreds.
+
+It serves the top-beta rule with chains of drafts from the cached drafter, a ``StaticDrafter``
+(the benchmark's oracle) or none; other rules, trees, --draft-stop, other drafters and traces take
+the dynamic loop (``StaticLoop.serves``).
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Protocol, Tuple
+
+import torch
+from torch import Tensor
+
+from spec_nmt.decoding import block_forward, scripted_layers
+from spec_nmt.decoding.host import any_true, host_read
+from spec_nmt.decoding.rules import accept_top_beta
+from spec_nmt.decoding.scorer import BlockScorer, ScorerState
+from spec_nmt.settings import DecodingSettings, DraftPlan
+
+# On CUDA, source lengths are padded up to a multiple of this: one captured graph per bucket
+SOURCE_BUCKET = 16
+
+
+@dataclass
+class Memory:
+    """A decoder's per-batch tensors: its self-attention cache [B, heads, capacity, head_dim]
+    per layer, and its encoder attention's keys and values [B, heads, S, head_dim] per layer with
+    the source padding's additive mask [B, 1, 1, S] (None: no padding)."""
+
+    keys: List[Tensor]
+    values: List[Tensor]
+    encoder_keys: List[Tensor]
+    encoder_values: List[Tensor]
+    encoder_bias: Optional[Tensor]
+
+    def take_encoder(self, state: ScorerState) -> None:
+        """Copy a scorer state's encoder keys, values and mask in (a longer buffer: zeros past
+        the source, masked)."""
+        for ours, theirs in ((self.encoder_keys, state.encoder_keys),
+                             (self.encoder_values, state.encoder_values)):  # fmt: skip
+            for mine, given in zip(ours, theirs):
+                mine.zero_()
+                mine[:, :, : given.size(2)] = given
+        if self.encoder_bias is not None:
+            length = state.encoder_keys[0].size(2)
+            self.encoder_bias.fill_(float("-inf"))
+            if state.encoder_bias is None:
+                self.encoder_bias[..., :length] = 0
+            else:
+                self.encoder_bias[..., :length] = state.encoder_bias
+
+
+class StaticDecoder:
+    """A fairseq decoder (the verifier's, or a cached drafter's) over fixed-width blocks on a
+    ``Memory``, through the decoder layer function of ``scripted_layers`` (TorchScript on the
+    CPU; on CUDA the same function as Python, whose kernels the graph captures)."""
+
+    def __init__(self, scorer: BlockScorer):
+        self.scorer = scorer
+        self.decoder = scorer.decoder
+        self.layers = scripted_layers.ScriptedLayers(self.decoder.layers, scorer.project)
+        self.table = scorer.position_table(self.decoder.max_positions())
+
+    def memory(self, batch: int, capacity: int, source_length: int, dtype: torch.dtype,
+               device: torch.device, masked_source: bool) -> Memory:  # fmt: skip
+        def zeros(length: int) -> List[Tensor]:
+            return [torch.zeros(batch, layer.self_attn.num_heads, length,
+                                layer.self_attn.head_dim, dtype=dtype, device=device)
+                    for layer in self.decoder.layers]  # fmt: skip
+
+        bias = None
+        if masked_source:
+            bias = torch.zeros(batch, 1, 1, source_length, dtype=dtype, device=device)
+        return Memory(zeros(capacity), zeros(capacity), zeros(source_length), zeros(source_length),
+                      bias)  # fmt: skip
+
+    def logits(self, memory: Memory, tokens: Tensor, positions: Tensor, slots: Tensor,
+               bias: Tensor, outputs: Optional[int] = None) -> Tensor:  # fmt: skip
+        """Float logits [B, W, V] (or of the last ``outputs`` entries) of block ``tokens``
+        [B, W] at decoder ``positions`` [B, W], whose keys and values go to cache ``slots``
+        [B, W]; ``bias`` [B, 1, W, capacity] says which cache slots each entry sees."""
+        decoder, layers = self.decoder, self.layers
+        x = block_forward.embed(decoder, tokens, positions, self.table).transpose(0, 1)
+        function = scripted_layers.decoder_layers
+        if x.device.type == "cpu" and scripted_layers.decoder_layers_scripted is not None:
+            function = scripted_layers.decoder_layers_scripted
+        x = function(x, layers.layers, layers.packed(x.size(0) * x.size(1)), memory.keys,
+                     memory.values, 0, slots, memory.keys[0].size(2), bias, memory.encoder_keys,
+                     memory.encoder_values, memory.encoder_bias, layers.heads, layers.scaling,
+                     layers.eps, layers.normalize_before, layers.gelu)  # fmt: skip
+        if decoder.layer_norm is not None:
+            x = decoder.layer_norm(x)
+        if outputs is not None:
+            x = x[:, x.size(1) - outputs :]
+        logits = self.scorer.project(decoder.output_projection, x).float()
+        if self.scorer.temperature != 1.0:
+            logits.div_(self.scorer.temperature)
+        return logits
+
+
+def sees(seen: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool [B, W, capacity] → the additive attention mask [B, 1, W, capacity]."""
+    zeros = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
+    return zeros.masked_fill_(~seen, float("-inf")).unsqueeze(1)
+
+
+@dataclass
+class Batch:
+    """Every tensor an iteration reads or writes, allocated once per shape (on CUDA, the
+    captured graph's own). ``k`` drafts per iteration; ``capacity`` cache slots per row."""
+
+    k: int
+    capacity: int
+    tokens: Tensor  # [B, T] BOS, then the verified output; room for one block past the limit
+    scores: Tensor  # [B, T - 1] each output token's log-prob under the verifier
+    lengths: Tensor  # [B] verified output tokens; tokens[b, lengths[b]] is the pending token
+    max_lens: Tensor  # [B] each sentence's output limit
+    live: Tensor  # [B] bool: not finished
+    going: Tensor  # [1] bool: some row is live (what the host reads)
+    iterations: Tensor  # [B] per row, while it was live
+    accepted: Tensor  # [B]
+    offsets: Tensor  # [k + 1] 0 .. k
+    slot_index: Tensor  # [capacity] 0 .. capacity - 1
+    verifier: Memory
+    drafter: object  # the drafter's own buffers (None without drafts)
+
+
+class StaticDrafter(Protocol):
+    """A drafter of the static loop: its buffers are made once per batch shape, filled per batch,
+    and ``draft`` computes a chain of ``batch.k`` drafts [B, k] on the device without host
+    reads (and without allocating what a captured graph cannot replay)."""
+
+    def buffers(self, batch: Batch, source_length: int, masked_source: bool) -> object:
+        """The drafter's tensors for batches of this shape."""
+
+    def fill(self, batch: Batch, net_input: Dict, encoder_out: Dict) -> None:
+        """Start ``batch.drafter`` for a new batch of sentences."""
+
+    def draft(self, batch: Batch) -> Tensor:
+        """[B, k] drafts after each row's pending token."""
+
+
+@dataclass
+class CachedDrafterBuffers:
+    memory: Memory
+    fed: Tensor  # [B] prefix entries in the drafter's cache (BOS included)
+
+
+class StaticCachedDrafter:
+    """The cached drafter (drafters/cached_drafter.py) in the static loop: each call feeds k + 1
+    prefix slots at ``fed`` (the real ones: the tokens committed since the last call; the others
+    are seen by no mask and overwritten next time) and k masks after them, which see the real
+    prefix and each other."""
+
+    def __init__(self, cached):
+        self.cached = cached
+        self.decoder = StaticDecoder(cached.scorer)
+
+    def buffers(self, batch: Batch, source_length: int, masked_source: bool):
+        tokens = batch.tokens
+        memory = self.decoder.memory(tokens.size(0), batch.capacity, source_length,
+                                     batch.verifier.keys[0].dtype, tokens.device, masked_source)
+        return CachedDrafterBuffers(memory, torch.zeros_like(batch.lengths))
+
+    def fill(self, batch: Batch, net_input: Dict, encoder_out: Dict) -> None:
+        batch.drafter.memory.take_encoder(self.cached.start(net_input, encoder_out))
+        batch.drafter.fed.zero_()
+
+    def draft(self, batch: Batch) -> Tensor:
+        k, state = batch.k, batch.drafter
+        prefix = state.fed.unsqueeze(1) + batch.offsets  # [B, k + 1] slots = positions
+        mask_slots = prefix[:, -1:] + 1 + batch.offsets[:k]
+        mask_positions = batch.lengths.unsqueeze(1) + 1 + batch.offsets[:k]
+        last = batch.tokens.size(1) - 1
+        tokens = torch.cat([batch.tokens.gather(1, prefix.clamp(max=last)),
+                            torch.full_like(mask_slots, self.cached.mask)], dim=1)  # fmt: skip
+        slot = batch.slot_index
+        prefix_seen = slot <= prefix.unsqueeze(2)  # causal
+        mask_seen = ((slot <= batch.lengths.view(-1, 1, 1))
+                     | ((slot >= mask_slots[:, :1, None]) & (slot <= mask_slots[:, -1:, None])))
+        seen = torch.cat([prefix_seen, mask_seen.expand(-1, k, -1)], dim=1)
+        logits = self.decoder.logits(state.memory, tokens, torch.cat([prefix, mask_positions], 1),
+                                     torch.cat([prefix, mask_slots], 1),
+                                     sees(seen, state.memory.keys[0].dtype), outputs=k)
+        state.fed.copy_(batch.lengths + 1)
+        best = self.cached._draft_columns(logits).max(dim=-1).indices
+        vocabulary = self.cached.vocabulary
+        return best if vocabulary is None else vocabulary[best]
+
+
+def static_drafter(drafter) -> Optional[StaticDrafter]:
+    """The static form of a loaded drafter adapter, None where it has none."""
+    from spec_nmt.drafters.cached_drafter import CachedDrafter  # (it imports the decoding modules)
+
+    if isinstance(drafter, CachedDrafter):
+        return StaticCachedDrafter(drafter)
+    if all(hasattr(drafter, name) for name in ("buffers", "fill", "draft")):
+        return drafter  # already one (the benchmark's oracle)
+    return None
+
+
+class StaticLoop:
+    """Decodes batches on the static loop for a ``SpeculativeGenerator`` (loop.py), which keeps
+    the statistics and the hypotheses' format."""
+
+    def __init__(self, verifier: BlockScorer, settings: DecodingSettings, eos: int, pad: int,
+                 unk: int):  # fmt: skip
+        self.verifier = StaticDecoder(verifier)
+        self.verifier_scorer = verifier
+        self.settings = settings
+        self.eos, self.pad, self.unk = eos, pad, unk
+        self._drafters: Dict[int, Optional[StaticDrafter]] = {}
+        self._captured: Dict[Tuple, Tuple[Batch, object]] = {}
+        self._graph_pool = None
+
+    @staticmethod
+    def serves(settings: DecodingSettings, plan: DraftPlan, drafter, verifier: BlockScorer) -> bool:
+        """Whether the static loop decodes with this rule, draft shape, drafter and verifier
+        (``plan.depth`` 0: no drafts, whatever the drafter)."""
+        if settings.verify != "top_beta" or not plan.is_chain or plan.stop_below:
+            return False
+        if not scripted_layers.decoder_supported(verifier.decoder):
+            return False
+        if plan.depth == 0:
+            return True
+        scorer = getattr(drafter, "scorer", None)
+        return static_drafter(drafter) is not None and (
+            scorer is None or scripted_layers.decoder_supported(scorer.decoder))
+
+    def drafter_for(self, drafter) -> Optional[StaticDrafter]:
+        key = id(drafter)
+        if key not in self._drafters:
+            self._drafters[key] = static_drafter(drafter)
+        return self._drafters[key]
+
+    def decode(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor, longest_limit: int,
+               drafter, k: int) -> Dict:  # fmt: skip
+        """Decode one batch (``max_lens`` [B] each sentence's output limit, ``longest_limit``
+        their largest); returns each row's tokens, scores, length, iterations and accepted
+        drafts, read to the host at once, and the verifier calls made."""
+        src_tokens = net_input["src_tokens"]
+        device = src_tokens.device
+        drafts = self.drafter_for(drafter) if k else None
+        encoder_out = self.verifier_scorer.encode(net_input)
+        state = self.verifier_scorer.start(net_input, encoder_out)
+        batch, step = self._batch(src_tokens.size(0), state, longest_limit, k, drafts, device)
+        batch.verifier.take_encoder(state)
+        if drafts is not None:
+            drafts.fill(batch, net_input, encoder_out)
+        has_source = src_lengths > 1
+        batch.tokens.fill_(self.pad)
+        batch.tokens[:, 0] = self.eos
+        batch.tokens[:, 1].masked_fill_(~has_source, self.eos)  # an empty line: EOS alone
+        batch.scores.zero_()
+        batch.lengths.copy_((~has_source).long())
+        batch.max_lens.copy_(max_lens)
+        batch.live.copy_(has_source)
+        batch.iterations.zero_()
+        batch.accepted.zero_()
+        # each iteration emits at least one token per live row, and a row at its limit ends
+        calls = 0
+        while calls <= longest_limit:  # a live row emits a token per call and ends at its limit
+            step()
+            calls += 1
+            if not any_true(batch.going):
+                break
+        tokens, scores, lengths, iterations, accepted = host_read(
+            batch.tokens, batch.scores, batch.lengths, batch.iterations, batch.accepted)
+        return {"tokens": tokens, "scores": scores, "lengths": lengths, "iterations": iterations,
+                "accepted": accepted, "calls": calls}  # fmt: skip
+
+    def _batch(self, rows: int, state: ScorerState, longest_limit: int, k: int,
+               drafts: Optional[StaticDrafter], device: torch.device):  # fmt: skip
+        """The batch's tensors and its iteration (a replay on CUDA): made anew on the CPU, on
+        CUDA kept per shape with the graph captured for it."""
+        source_length = state.encoder_keys[0].size(2)
+        captured = device.type == "cuda"
+        if captured:  # the graph's shapes: padded source, the capacity its longest limit needs
+            source_length = -(-source_length // SOURCE_BUCKET) * SOURCE_BUCKET
+            settings = self.settings
+            longest_limit = min(int(settings.max_len_a * source_length + settings.max_len_b),
+                                self.verifier.decoder.max_positions() - 1)
+        capacity = longest_limit + 2 * k + 3
+        dtype = next(self.verifier.decoder.parameters()).dtype
+        key = (rows, source_length, k, dtype, id(drafts))
+        if captured and key in self._captured:
+            return self._captured[key]
+        masked = captured or state.encoder_bias is not None
+        with torch.inference_mode(False):  # (buffers kept across calls in either mode)
+            batch = self._allocate(rows, capacity, source_length, longest_limit, k, dtype, device,
+                                   masked, drafts)  # fmt: skip
+
+            def iteration():
+                self._iteration(batch, drafts)
+
+            step = self._capture(iteration) if captured else iteration
+        if captured:
+            self._captured[key] = (batch, step)
+        return batch, step
+
+    def _allocate(self, rows, capacity, source_length, longest_limit, k, dtype, device, masked,
+                  drafts) -> Batch:  # fmt: skip
+        width = longest_limit + k + 3
+        long = dict(dtype=torch.long, device=device)
+        batch = Batch(
+            k=k, capacity=capacity, tokens=torch.full((rows, width), self.pad, **long),
+            scores=torch.zeros(rows, width - 1, device=device),
+            lengths=torch.zeros(rows, **long), max_lens=torch.zeros(rows, **long),
+            live=torch.zeros(rows, dtype=torch.bool, device=device),
+            going=torch.zeros(1, dtype=torch.bool, device=device),
+            iterations=torch.zeros(rows, **long), accepted=torch.zeros(rows, **long),
+            offsets=torch.arange(k + 1, **long), slot_index=torch.arange(capacity, **long),
+            verifier=self.verifier.memory(rows, capacity, source_length, dtype, device, masked),
+            drafter=None,
+        )  # fmt: skip
+        if drafts is not None:
+            batch.drafter = drafts.buffers(batch, source_length, masked)
+        return batch
+
+    def _capture(self, iteration):
+        """The iteration captured as a CUDA graph (after warm-up runs on a side stream, which
+        the batch's start overwrites); returns its replay."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                iteration()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            iteration()
+        return graph.replay
+
+    def _iteration(self, batch: Batch, drafts: Optional[StaticDrafter]) -> None:
+        """Draft, score [pending, drafts], accept, commit: on the device, in place."""
+        if drafts is not None:
+            draft_tokens = drafts.draft(batch)
+        else:
+            draft_tokens = batch.lengths.new_zeros(batch.lengths.size(0), 0)
+        pending = batch.tokens.gather(1, batch.lengths.unsqueeze(1))
+        block = torch.cat([pending, draft_tokens], dim=1)
+        positions = batch.lengths.unsqueeze(1) + batch.offsets  # = the entries' cache slots
+        bias = sees(batch.slot_index <= positions.unsqueeze(2), batch.verifier.keys[0].dtype)
+        logits = self.verifier.logits(batch.verifier, block, positions, positions, bias)
+        normalizer = self._constrain(logits, positions, batch.max_lens)
+        settings = self.settings
+        n_accepted, next_tokens = accept_top_beta(draft_tokens, logits, settings.beta,
+                                                  settings.tau, self.eos)  # fmt: skip
+        emitted, n_emitted, ended = emitted_tokens(draft_tokens, n_accepted, next_tokens, self.eos)
+        # entry i put emitted[i] at output step lengths + i (token slot lengths + 1 + i); a
+        # finished row writes past its end, where nothing is read
+        batch.tokens.scatter_(1, positions + 1, emitted)
+        scores = logits.gather(2, emitted.unsqueeze(2)).squeeze(2) - normalizer
+        batch.scores.scatter_(1, positions, scores)
+        live = batch.live.long()
+        batch.lengths.add_(n_emitted * live)
+        batch.iterations.add_(live)
+        batch.accepted.add_(n_accepted * live)
+        batch.live.logical_and_(~ended)
+        batch.going.copy_(batch.live.any().view(1))
+
+    def _constrain(self, logits: Tensor, steps: Tensor, max_lens: Tensor) -> Tensor:
+        """SequenceGenerator's adjustments of every entry's log-probs, as loop.constrain makes
+        them, without asking the host whether any applies (entry [b, i] predicts output step
+        ``steps[b, i]``); returns the unadjusted distribution's log-normaliser [B, W]."""
+        normalizer = torch.logsumexp(logits, dim=-1)
+        broken = normalizer.isnan()  # fairseq's log-probs are NaN there, then -inf
+        logits.masked_fill_(broken.unsqueeze(2), float("-inf"))
+        normalizer = normalizer.masked_fill(broken, 0.0)
+        logits[:, :, self.pad] = float("-inf")
+        settings = self.settings
+        if settings.unkpen:
+            logits[:, :, self.unk] -= settings.unkpen
+        eos_logits = logits[:, :, self.eos].clone()
+        logits.masked_fill_(steps.ge(max_lens.unsqueeze(1)).unsqueeze(2), float("-inf"))
+        logits[:, :, self.eos] = eos_logits.masked_fill(steps.lt(settings.min_len), float("-inf"))
+        return normalizer
+
+
+def emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos: int):
+    """What an iteration appends to each row, given the drafts along the accepted path [B, k]
+    (the first n_accepted count): tokens [B, k+1] (the accepted drafts, then the
+    correction/bonus token unless an accepted EOS ended the sentence), how many of them count
+    [B], and whether the row is finished [B]."""
+    k = drafts.size(1)
+    emitted = torch.cat([drafts, drafts.new_zeros(drafts.size(0), 1)], dim=1)
+    emitted.scatter_(1, n_accepted.unsqueeze(1), next_tokens.unsqueeze(1))
+    accepted_mask = torch.arange(k, device=drafts.device) < n_accepted.unsqueeze(1)
+    eos_accepted = (drafts.eq(eos) & accepted_mask).any(dim=1)
+    ended = eos_accepted | next_tokens.eq(eos)
+    return emitted, n_accepted + (~eos_accepted).long(), ended

@@ -1,0 +1,111 @@
+"""The static loop (spec_nmt/decoding/static_loop.py) with the bundled pair on the CPU: token for
+token fairseq's greedy search, alone and in batches of mixed lengths (an empty line among them),
+without drafts and with the cached drafter; its per-token scores are fairseq's (so its caches
+hold what a full recomputation gives); its drafts and acceptance are the dynamic loop's; it reads
+the host once per iteration; and what it does not serve goes to the dynamic loop."""
+
+import pytest
+import torch
+from fairseq.sequence_generator import SequenceGenerator
+
+from spec_nmt.decoding import host
+from spec_nmt.errors import SpecNmtError
+from spec_nmt.settings import DEFAULTS
+from spec_nmt.translator import SpecTranslator
+from tests.conftest import BUNDLED_MODEL_DIR, REPO
+
+LINES = 12
+MAX_LEN_B = 60
+EMPTY = 5  # the empty line's index
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu",
+                                          max_len_a=0, max_len_b=MAX_LEN_B)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sources(pair):
+    lines = (REPO / "data" / "examples.de").read_text(encoding="utf-8").splitlines()[:LINES]
+    return pair.encode(lines[:EMPTY] + [""] + lines[EMPTY:])
+
+
+def decode(pair, generator, sources, batch_size):
+    """Each line's hypothesis, in line order."""
+    found = [None] * len(sources)
+    with torch.inference_mode():
+        for lines, sample in pair.batches(sources, batch_size):
+            for row, hypotheses in zip(lines, generator.generate([pair.verifier], sample)):
+                found[row] = hypotheses[0]
+    return found
+
+
+@pytest.fixture(scope="module")
+def greedy(pair, sources):
+    fairseq = SequenceGenerator([pair.verifier], pair.tgt_dict, beam_size=1, max_len_a=0,
+                                max_len_b=MAX_LEN_B)  # fmt: skip
+    return decode(pair, fairseq, sources, 1)
+
+
+@pytest.mark.parametrize("batch_size", [1, 5])
+@pytest.mark.parametrize("block_size", [0, 3, 10])
+def test_static_loop_is_fairseq_greedy_with_its_scores(pair, sources, greedy, batch_size,
+                                                       block_size):  # fmt: skip
+    generator = pair.generator(block_size=block_size, max_draft_batch=0)
+    found = decode(pair, generator, sources, batch_size)
+    assert generator.stats.batched_verifier_calls > 0
+    # an empty line gets EOS alone without decoding, as on the dynamic loop (fairseq decodes it)
+    assert found[EMPTY]["tokens"].tolist() == [pair.tgt_dict.eos()]
+    for line, (ours, theirs) in enumerate(zip(found, greedy)):
+        if line == EMPTY:
+            continue
+        assert ours["tokens"].tolist() == theirs["tokens"].tolist(), f"line {line}"
+        torch.testing.assert_close(ours["positional_scores"], theirs["positional_scores"],
+                                   atol=1e-4, rtol=0)  # fmt: skip
+        torch.testing.assert_close(ours["score"], theirs["score"], atol=1e-4, rtol=0)
+    if block_size:
+        assert generator.stats.accepted_tokens > 0, "the drafts were never used"
+
+
+def test_static_and_dynamic_loops_draft_and_accept_alike(pair, sources):
+    """The same drafts accepted per sentence at batch 1, also under a relaxed rule, whose
+    translations the drafts decide."""
+    for settings in ({"block_size": 5}, {"block_size": 5, "beta": 3, "tau": 1.0}):
+        loops = {loop: pair.generator(decoding_loop=loop, max_draft_batch=0, **settings)
+                 for loop in ("static", "dynamic")}  # fmt: skip
+        found = {loop: decode(pair, generator, sources, 1) for loop, generator in loops.items()}
+        for static, dynamic in zip(found["static"], found["dynamic"]):
+            assert static["tokens"].tolist() == dynamic["tokens"].tolist()
+            assert static.get("spec_accepted_tokens") == dynamic.get("spec_accepted_tokens")
+            assert static.get("spec_iterations") == dynamic.get("spec_iterations")
+        assert loops["static"].static is not None and loops["dynamic"].static is None
+
+
+def test_the_host_is_read_once_per_iteration_and_once_for_the_output(pair, sources):
+    generator = pair.generator(block_size=3)
+    batches = list(pair.batches(sources[:4], 1))
+    before = host.count_reads()
+    with torch.inference_mode():
+        for _, sample in batches:
+            generator.generate([pair.verifier], sample)
+    calls = generator.stats.batched_verifier_calls
+    assert calls > len(batches)
+    assert host.count_reads() - before == calls + len(batches)
+
+
+@pytest.mark.parametrize("settings", [{"verify": "sampling"}, {"tree_branching": "2,1"},
+                                      {"draft_stop": 0.5}, {"decoding_loop": "dynamic"}])  # fmt: skip
+def test_what_the_static_loop_does_not_serve_decodes_on_the_dynamic_loop(pair, sources, settings):
+    generator = pair.generator(max_draft_batch=0, **settings)
+    with torch.inference_mode():
+        _, sample = next(pair.batches(sources[:1], 1))
+        before = host.count_reads()
+        generator.generate([pair.verifier], sample)
+    assert host.count_reads() == before
+    assert generator.stats.batched_verifier_calls > 0
+
+
+def test_an_unknown_decoding_loop_is_refused_in_one_line():
+    with pytest.raises(SpecNmtError, match=r"^--decoding-loop must be one of static, dynamic"):
+        DEFAULTS.replace(decoding_loop="graph")
