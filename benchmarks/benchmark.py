@@ -173,6 +173,9 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                      "--draft-stop P (e.g. 8:0.5); and at P with --top-beta's rule")
     sub.add_argument("--ctranslate2", action="store_true",
                      help="add CTranslate2 greedy rows (fp32, int8) of the same verifier")
+    sub.add_argument("--headline", default=None,
+                     help="write the batch-1 figures into this JSON (benchmarks/results/"
+                     "headline.json: {\"gpu\": RUN, \"cpu\": RUN}), replacing this kind's run")
     sub = mode("block-cost", block_cost, "what scoring a block of W entries costs the verifier")
     sub.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32, 64],
                      help="batch sizes to measure")

@@ -4,6 +4,8 @@ block of W entries costs the verifier."""
 
 import copy
 import json
+import time
+from pathlib import Path
 
 import torch
 from common import (
@@ -11,6 +13,7 @@ from common import (
     MAX_LEN_B,
     PhaseTimer,
     bleu,
+    commit,
     ctranslate2_timed,
     ctranslate2_verifier,
     decode_all,
@@ -41,7 +44,11 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
                "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
                "spec lossless, oracle drafter": oracle(pair, tokens, alone, args.block),
                "spec lossless, real drafter": speculating(pair, block_size=args.block),
-               "spec-nmt defaults": defaults(pair)}  # fmt: skip
+               "spec-nmt defaults": defaults(pair),
+               # the loop before the static one, beside it: what the host's removal earns
+               "spec-nmt greedy (no drafts), dynamic loop": pair.generator(
+                   block_size=0, decoding_loop="dynamic"),
+               "spec-nmt defaults, dynamic loop": pair.generator(decoding_loop="dynamic")}  # fmt: skip
     if args.stock_modules:
         systems["spec-nmt greedy (no drafts), stock decoder modules"] = through_modules(
             pair.generator(block_size=0))
@@ -112,6 +119,9 @@ def ceiling(args):
         systems = ceiling_systems(args, pair, tokens, alone, greedy)
         decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
         speculative = [name for name, g in systems.items() if isinstance(g, SpeculativeGenerator)]
+        if pair.device.type == "cuda":  # every graph the timed run replays, captured before it
+            decode_all(pair, {name: systems[name] for name in speculative
+                              if systems[name].static is not None}, tokens, batch_size)
         # On a GPU the phase timers wait for the GPU at every phase, which would slow the timed
         # run: there the breakdown comes from a second run of the speculative systems.
         separate = pair.device.type == "cuda"
@@ -143,6 +153,10 @@ def ceiling(args):
                 row["other_greedy_steps"] = round(untimed / calls / step, 2)
             elif name == "fairseq greedy":
                 row["greedy_step_ms"] = round(1000 * step, 2)
+            static = getattr(systems[name], "static", None)
+            if static is not None and static.captures:
+                row["graph_captures"] = static.captures
+                row["capture_seconds"] = round(static.capture_seconds, 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
         fairseq_ms = 1000 * base["seconds"] / output_tokens
@@ -153,6 +167,31 @@ def ceiling(args):
               "environment": environment(args), "rows": rows}  # fmt: skip
     print(ceiling_table(result))
     write_result(args, result)
+    if args.headline:
+        write_headline(args.headline, result)
+
+
+def write_headline(path, result) -> None:
+    """The batch-1 figures of this run into ``path`` ({"gpu": RUN, "cpu": RUN}), replacing the
+    run of the same kind: fairseq greedy, the drafter-less loop and the defaults in ms per
+    token, and how many lines the defaults gave as fairseq greedy did."""
+    rows = {row["system"]: row for row in result["rows"] if row["batch_size"] == 1}
+    if not rows:
+        return
+    environment = result["environment"]
+    on_gpu = environment["device"] == "cuda"
+    systems = {"fairseq_greedy": "fairseq greedy", "drafter_less": "spec-nmt greedy (no drafts)",
+               "defaults": "spec-nmt defaults"}  # fmt: skip
+    run_ = {"device": environment["gpu"] if on_gpu else environment["cpu"],
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": commit(),
+            "precision": environment["dtype"], "lines": result["lines"],
+            "identical_lines": rows["spec-nmt defaults"]["identical_to_greedy"],
+            "ms_per_token": {key: rows[name]["ms_per_output_token"]
+                             for key, name in systems.items()}}  # fmt: skip
+    path = Path(path)
+    headline = json.loads(path.read_text()) if path.exists() else {}
+    headline["gpu" if on_gpu else "cpu"] = run_
+    path.write_text(json.dumps(headline, indent=1) + "\n")
 
 
 def ceiling_table(result):

@@ -75,6 +75,16 @@ def write_result(args, result: dict) -> None:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
+def commit() -> str:
+    """The checkout's commit (with "+changes" when the tree differs from it), or "?"."""
+    def git(*command):
+        return subprocess.run(["git", *command], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+
+    found = git("rev-parse", "--short", "HEAD") or "?"
+    return found + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def dtype(args) -> torch.dtype:
     return torch.float16 if args.fp16 else torch.float32
 
@@ -236,6 +246,20 @@ class OracleDrafter(NoDrafter):
 
     def select_rows(self, state, rows):
         state["outputs"] = state["outputs"].index_select(0, rows)
+
+    # the static loop's drafter (static_loop.StaticDrafter): the same drafts from a buffer
+    def buffers(self, batch, source_length: int, masked_source: bool):
+        return torch.full_like(batch.tokens, self.eos)
+
+    def fill(self, batch, net_input, encoder_out):
+        known = self.start(net_input, encoder_out)["outputs"]
+        width = min(known.size(1), batch.drafter.size(1))
+        batch.drafter.fill_(self.eos)
+        batch.drafter[:, :width] = known[:, :width]
+
+    def draft(self, batch):
+        index = batch.lengths.unsqueeze(1) + batch.offsets[: batch.k]
+        return batch.drafter.gather(1, index.clamp(max=batch.drafter.size(1) - 1))
 
 
 class PhaseTimer:

@@ -258,3 +258,77 @@ def test_the_sync_counter_sees_the_host_wait_for_a_value_from_the_device():
         total.add(1)  # stays on the device: no wait
     test = inspect.currentframe().f_code.co_name
     assert counter.sites == {f"tests/test_cuda.py:{line} {test}": 1}
+
+
+# ----- the static loop's captured graphs ---------------------------------------------------------
+def static_systems(pair, block_size):
+    """The static loop at k = ``block_size`` drafting in every batch: its iterations captured
+    (on CUDA), and the same loop run eagerly."""
+    captured = benchmarks.speculating(pair, block_size=block_size, max_len_a=0,
+                                      max_len_b=MAX_LEN_B)  # fmt: skip
+    eager = benchmarks.speculating(pair, block_size=block_size, max_len_a=0, max_len_b=MAX_LEN_B)
+    eager.static.capture_graphs = False
+    return {"captured": captured, "eager": eager}
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("block_size", [0, 3])
+def test_captured_iterations_equal_eager_ones_and_fairseq_greedy(pair, source_tokens, batch_size,
+                                                                 block_size):  # fmt: skip
+    if next(pair.verifier.parameters()).dtype != torch.float32:
+        pytest.skip("fp32 only: fp16 may part from fairseq greedy at near ties (see above)")
+    systems = static_systems(pair, block_size)
+    systems["fairseq greedy"] = SequenceGenerator([pair.verifier], pair.tgt_dict, beam_size=1,
+                                                  max_len_a=0, max_len_b=MAX_LEN_B)  # fmt: skip
+    lines = source_tokens[:24]
+    results = benchmarks.decode_all(pair, systems, lines, batch_size)
+    expected = [t.tolist() for t in results["fairseq greedy"]["tokens"]]
+    for name in ("captured", "eager"):
+        found = [t.tolist() for t in results[name]["tokens"]]
+        differing = [line for line, (a, b) in enumerate(zip(found, expected)) if a != b]
+        assert not differing, f"{name}: lines {differing} differ from fairseq greedy"
+    assert (systems["captured"].static.captures > 0) == (DEVICE.type == "cuda")
+    assert systems["eager"].static.captures == 0
+    if block_size:
+        assert systems["captured"].stats.accepted_tokens > 0
+
+
+def test_a_replay_after_other_lengths_and_batches_gives_what_a_fresh_capture_gives(
+        pair, source_tokens):  # fmt: skip
+    """A generator that decoded other sentences alone and in batches (its graphs replayed on
+    other buffers' contents) decodes a sentence as a fresh one does, scores included."""
+    used = benchmarks.speculating(pair, block_size=3)
+    with torch.inference_mode():
+        for batch_size in (1, 4, 1):
+            for _, sample in pair.batches(source_tokens[:12], batch_size):
+                used.generate([pair.verifier], sample)
+        captures = used.static.captures
+        for line in (1, min(10, len(source_tokens) - 1)):
+            _, sample = next(pair.batches([source_tokens[line]], 1))
+            again = used.generate([pair.verifier], sample)[0][0]
+            fresh = benchmarks.speculating(pair, block_size=3).generate([pair.verifier],
+                                                                        sample)[0][0]  # fmt: skip
+            assert torch.equal(again["tokens"], fresh["tokens"])
+            assert torch.equal(again["positional_scores"], fresh["positional_scores"])
+    assert used.static.captures == captures, "the graphs of seen shapes were captured again"
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the sync debug mode watches CUDA only")
+def test_the_static_loop_waits_for_the_device_once_per_iteration(pair, source_tokens):
+    """Counted by CUDA's sync debug mode: the static loop's reads (host.py) are one per
+    iteration and one per batch for the output; the others come once per batch."""
+    host_syncs = script_module("host_syncs", folder="benchmarks")
+    generator = benchmarks.speculating(pair, block_size=3)
+    batches = list(pair.batches(source_tokens[:8], 1))
+    with torch.inference_mode():
+        for _, sample in batches:  # captured first, uncounted
+            generator.generate([pair.verifier], sample)
+        generator.stats = benchmarks.DecodingStats()
+        with host_syncs.SyncCounter(on_gpu=True) as counter:
+            for _, sample in batches:
+                generator.generate([pair.verifier], sample)
+    calls = generator.stats.batched_verifier_calls
+    reads = sum(n for site, n in counter.sites.items() if site.startswith("spec_nmt/decoding/host.py"))
+    others = sum(counter.sites.values()) - reads
+    assert reads == calls + len(batches), counter.sites
+    assert others <= 4 * len(batches), counter.sites

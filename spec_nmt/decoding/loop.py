@@ -130,8 +130,8 @@ class SpeculativeGenerator:
         if trace is None and self.static is not None:
             drafter, plan = self._drafting(sum(length > 1 for length in source_lengths))
             if StaticLoop.serves(self.settings, plan, drafter, self.verifier):
-                return self._generate_static(net_input, src_lengths, source_lengths, max_lens,
-                                             drafter, plan)  # fmt: skip
+                return self._generate_static(net_input, src_lengths, source_lengths, limits,
+                                             max_lens, drafter, plan)  # fmt: skip
         rng = self.rng(src_tokens.device)
         batch = self._start(net_input, src_lengths, max_lens)
         rows = batch.rows
@@ -160,12 +160,13 @@ class SpeculativeGenerator:
         return batch.finalized
 
     def _generate_static(self, net_input: Dict, src_lengths: Tensor, source_lengths: List[int],
-                         max_lens: Tensor, drafter: Drafter, plan: DraftPlan):  # fmt: skip
+                         limits: List[int], max_lens: Tensor, drafter: Drafter,
+                         plan: DraftPlan):  # fmt: skip
         """``generate`` on the static loop (static_loop.py): the same hypotheses and totals."""
         if drafter is not self.drafter:
             self.stats.batches_without_drafts += 1
-        decoded = self.static.decode(net_input, src_lengths, max_lens, int(max_lens.max()),
-                                     drafter, plan.depth)
+        decoded = self.static.decode(net_input, src_lengths, max_lens, max(limits), drafter,
+                                     plan.depth)  # fmt: skip
         finalized = []
         for row, source_length in enumerate(source_lengths):
             length = int(decoded["lengths"][row])

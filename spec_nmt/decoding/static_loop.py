@@ -22,6 +22,7 @@ It serves the top-beta rule with chains of drafts from the cached drafter, a ``S
 the dynamic loop (``StaticLoop.serves``).
 """
 
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Protocol, Tuple
 
@@ -229,6 +230,10 @@ class StaticLoop:
         self._drafters: Dict[int, Optional[StaticDrafter]] = {}
         self._captured: Dict[Tuple, Tuple[Batch, object]] = {}
         self._graph_pool = None
+        # False: on CUDA too every iteration runs eagerly (the same kernels, launched one by one)
+        self.capture_graphs = True
+        self.captures = 0  # graphs captured so far, and the seconds that took
+        self.capture_seconds = 0.0
 
     @staticmethod
     def serves(settings: DecodingSettings, plan: DraftPlan, drafter, verifier: BlockScorer) -> bool:
@@ -291,8 +296,9 @@ class StaticLoop:
         """The batch's tensors and its iteration (a replay on CUDA): made anew on the CPU, on
         CUDA kept per shape with the graph captured for it."""
         source_length = state.encoder_keys[0].size(2)
-        captured = device.type == "cuda"
-        if captured:  # the graph's shapes: padded source, the capacity its longest limit needs
+        on_cuda = device.type == "cuda"
+        captured = on_cuda and self.capture_graphs
+        if on_cuda:  # the graph's shapes: padded source, the capacity its longest limit needs
             source_length = -(-source_length // SOURCE_BUCKET) * SOURCE_BUCKET
             settings = self.settings
             longest_limit = min(int(settings.max_len_a * source_length + settings.max_len_b),
@@ -302,7 +308,7 @@ class StaticLoop:
         key = (rows, source_length, k, dtype, id(drafts))
         if captured and key in self._captured:
             return self._captured[key]
-        masked = captured or state.encoder_bias is not None
+        masked = on_cuda or state.encoder_bias is not None
         with torch.inference_mode(False):  # (buffers kept across calls in either mode)
             batch = self._allocate(rows, capacity, source_length, longest_limit, k, dtype, device,
                                    masked, drafts)  # fmt: skip
@@ -337,6 +343,7 @@ class StaticLoop:
     def _capture(self, iteration):
         """The iteration captured as a CUDA graph (after warm-up runs on a side stream, which
         the batch's start overwrites); returns its replay."""
+        start = time.perf_counter()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
@@ -348,6 +355,8 @@ class StaticLoop:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             iteration()
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - start
         return graph.replay
 
     def _iteration(self, batch: Batch, drafts: Optional[StaticDrafter]) -> None:
