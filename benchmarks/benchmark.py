@@ -42,6 +42,12 @@ k + 1 tokens for the cost of W = k + 1:
 
 (--engines modules,eager,scripted,compiled: how the decoder layers run, timed in turn.)
 
+Speed by verifier size (the bundled one, random transformer-base and -big), oracle drafters
+accepting exactly a drafts per iteration, and batch size, at a fixed output length:
+
+    python benchmarks/benchmark.py sizes MODEL_DIR --src test.de --lines 16 --batch-sizes 1,8 \
+        --oracle-accepts 1,2,3,5 --json benchmarks/results/model-sizes-cpu.json
+
 Where decoding makes the host wait for the GPU (CUDA's sync debug mode), per verifier call and
 output token, with the lines that do it:
 
@@ -67,6 +73,7 @@ from ceiling import block_cost, ceiling
 from common import beam_shape, comma_list, setting, stopped_chain
 from diagnosis import acceptance
 from host_syncs import host_syncs
+from model_sizes import ARCHITECTURES, model_sizes
 from sampling_speed import sampling, sampling_system
 from speed_quality import run, sweep
 
@@ -191,6 +198,15 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
     sub = mode("syncs", host_syncs, "where decoding makes the host wait for the GPU (CUDA)")
     sub.add_argument("--block", type=int, default=DEFAULTS.block_size, help="the real drafter's k")
     sub.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32],
+                     help="batch sizes to measure")
+    sub = mode("sizes", model_sizes, "speed by verifier size, accepted drafts and batch size")
+    sub.add_argument("--sizes", type=comma_list(str), default=["bundled", *ARCHITECTURES],
+                     help=f"verifiers: bundled, and random ones of {', '.join(ARCHITECTURES)}")
+    sub.add_argument("--oracle-accepts", type=comma_list(int), default=[1, 2, 3, 5],
+                     help="oracle drafters getting exactly this many drafts accepted per iteration")
+    sub.add_argument("--output-length", type=int, default=32,
+                     help="tokens every sentence is decoded to, then EOS")
+    sub.add_argument("--batch-sizes", type=comma_list(int), default=[1, 8],
                      help="batch sizes to measure")
     sub = mode("acceptance", acceptance, "where draft chains break: acceptance by position",
                batches=True)
