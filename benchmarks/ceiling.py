@@ -121,17 +121,19 @@ def ceiling(args):
         speculative = [name for name, g in systems.items() if isinstance(g, SpeculativeGenerator)]
         if pair.device.type == "cuda":  # every graph the timed run replays, captured before it
             decode_all(pair, {name: systems[name] for name in speculative
-                              if systems[name].static is not None}, tokens, batch_size)
+                              if systems[name].on_static_loop}, tokens, batch_size)
         # On a GPU the phase timers wait for the GPU at every phase, which would slow the timed
-        # run: there the breakdown comes from a second run of the speculative systems.
+        # run: there the breakdown comes from a second run of the speculative systems. The
+        # static loop's iteration is one call (one graph on a GPU): it has no phases to time.
+        phased = [name for name in speculative if not systems[name].on_static_loop]
         separate = pair.device.type == "cuda"
         if not separate:
-            timers = {name: PhaseTimer(systems[name]) for name in speculative}
+            timers = {name: PhaseTimer(systems[name]) for name in phased}
         results = decode_all(pair, systems, tokens, batch_size)
         broken_down = results
         if separate:
-            timers = {name: PhaseTimer(systems[name]) for name in speculative}
-            broken_down = decode_all(pair, {name: systems[name] for name in speculative}, tokens,
+            timers = {name: PhaseTimer(systems[name]) for name in phased}
+            broken_down = decode_all(pair, {name: systems[name] for name in phased}, tokens,
                                      batch_size)  # fmt: skip
         base = results["fairseq greedy"]
         step = base["seconds"] / greedy_steps(pair, base["tokens"], tokens, batch_size)
@@ -143,10 +145,11 @@ def ceiling(args):
                    "identical_to_greedy": sum(torch.equal(a, b) for a, b in zip(result["tokens"], alone))}  # fmt: skip
             if refs:
                 row["bleu"] = bleu(pair, result["tokens"], refs)[0]
-            if name in timers:
+            if name in speculative:
                 calls = systems[name].stats.batched_verifier_calls
                 row["tokens_per_verifier_call"] = result["tokens_per_verifier_call"]
                 row["greedy_steps_per_iteration"] = round(result["seconds"] / calls / step, 2)
+            if name in timers:
                 for phase, seconds in timers[name].seconds.items():
                     row[f"{phase}_greedy_steps"] = round(seconds / calls / step, 2)
                 untimed = broken_down[name]["seconds"] - sum(timers[name].seconds.values())

@@ -84,7 +84,7 @@ def model_sizes(args):
             decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)
             if pair.device.type == "cuda":  # the graphs captured before the timed run
                 decode_all(pair, {name: g for name, g in systems.items()
-                                  if getattr(g, "static", None) is not None}, tokens, batch_size)
+                                  if getattr(g, "on_static_loop", False)}, tokens, batch_size)
             results = decode_all(pair, systems, tokens, batch_size)
             base = results["fairseq greedy"]
             output_tokens = sum(t.numel() for t in base["tokens"])

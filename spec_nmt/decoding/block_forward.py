@@ -69,20 +69,28 @@ class RealTokens:
         return full.index_copy_(0, self.index, x).view(*self.shape, x.size(-1))
 
 
-def encode(encoder, src_tokens: Tensor, scripted: ScriptedLayers) -> Dict[str, List[Tensor]]:
+def encode(encoder, src_tokens: Tensor, scripted: ScriptedLayers,
+           without_host: bool = False) -> Dict[str, List[Tensor]]:  # fmt: skip
     """The stock encoder's output for ``src_tokens`` (fairseq's ``encoder_out`` dict) with its
     layers run by ``encoder_layers`` (``scripted``: the encoder's layers taken for it, see
     ``scripted_layers.encoder_supported``): the embedding and the final norm as the encoder does
     them, the layers on the non-padding tokens only. The output is zero at the padding (which
-    every reader masks; the stock encoder leaves values there that nothing may use)."""
+    every reader masks; the stock encoder leaves values there that nothing may use).
+    ``without_host``: never ask the device whether there is padding (a GPU's host would wait):
+    the layers run over the padded layout under the padding's mask, as Python (the kernels a
+    CUDA graph may capture), and the output at the padding is left as it comes."""
     padding = src_tokens.eq(encoder.padding_idx)
     x, embedding = encoder.forward_embedding(src_tokens)  # [B, S, C]
     batch, length, channels = x.shape
     bias, real = None, None
-    if bool(padding.any()):
+    layers = scripted_layers.encoder_layers_scripted
+    if without_host:
+        bias = additive_mask(~padding.unsqueeze(1), x.dtype)
+        layers = scripted_layers.encoder_layers
+    elif bool(padding.any()):
         bias = additive_mask(~padding.unsqueeze(1), x.dtype)
         real = (~padding).flatten().nonzero().squeeze(1)
-    x = scripted_layers.encoder_layers_scripted(
+    x = layers(
         x, scripted.layers, scripted.packed(batch * length if real is None else real.numel()),
         bias, real, scripted.heads, scripted.scaling, scripted.eps, scripted.normalize_before,
         scripted.gelu)
@@ -150,15 +158,19 @@ def _attention(attn, query: Tensor, keys: Tensor, values: Tensor,
 
 
 def encoder_keys_values(
-    decoder, encoder_out, project: Project = plain, layers: Optional[Sequence] = None
+    decoder, encoder_out, project: Project = plain, layers: Optional[Sequence] = None,
+    without_host: bool = False,
 ) -> Tuple[List[Tensor], List[Tensor], Optional[Tensor]]:
     """Every layer's (or every one of ``layers``') encoder-attention keys and values
     [B, heads, S, head_dim] (layers without encoder attention have none) and the source padding
-    as an additive mask [B, 1, 1, S]."""
+    as an additive mask [B, 1, 1, S]. ``without_host``: never ask the device whether there is
+    padding: every source position is projected, and the mask is always made."""
     enc = encoder_out["encoder_out"][0]  # [S, B, C]
     padding = encoder_out["encoder_padding_mask"]
     bias, tokens = None, None
-    if len(padding) > 0 and padding[0].any():  # project the real tokens only (zeros elsewhere)
+    if without_host and len(padding) > 0:
+        bias = additive_mask(~padding[0].unsqueeze(1), enc.dtype)
+    elif len(padding) > 0 and padding[0].any():  # project the real tokens only (zeros elsewhere)
         bias = additive_mask(~padding[0].unsqueeze(1), enc.dtype)
         tokens = RealTokens(padding[0])
         enc = tokens.pack(enc)

@@ -97,6 +97,12 @@ class SpeculativeGenerator:
         if settings.decoding_loop == "static":
             self.static = StaticLoop(verifier, settings, self.eos, self.pad, self.unk)
 
+    @property
+    def on_static_loop(self) -> bool:
+        """Whether the static loop decodes the batches this generator drafts for."""
+        return self.static is not None and StaticLoop.serves(self.settings, self.plan,
+                                                             self.drafter, self.verifier)
+
     def rng(self, device: torch.device) -> torch.Generator:
         """The sampling generator: one per decoder, seeded once, so a run is reproducible."""
         if self._rng is None or self._rng.device != device:

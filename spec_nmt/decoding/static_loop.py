@@ -32,7 +32,7 @@ from torch import Tensor
 from spec_nmt.decoding import block_forward, scripted_layers
 from spec_nmt.decoding.host import any_true, host_read
 from spec_nmt.decoding.rules import accept_top_beta
-from spec_nmt.decoding.scorer import BlockScorer, ScorerState
+from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.settings import DecodingSettings, DraftPlan
 
 # On CUDA, source lengths are padded up to a multiple of this: one captured graph per bucket
@@ -51,21 +51,21 @@ class Memory:
     encoder_values: List[Tensor]
     encoder_bias: Optional[Tensor]
 
-    def take_encoder(self, state: ScorerState) -> None:
-        """Copy a scorer state's encoder keys, values and mask in (a longer buffer: zeros past
-        the source, masked)."""
-        for ours, theirs in ((self.encoder_keys, state.encoder_keys),
-                             (self.encoder_values, state.encoder_values)):  # fmt: skip
+    def take_encoder(self, decoder: "StaticDecoder", encoder_out: Dict) -> None:
+        """Project the batch's encoder output for ``decoder``'s encoder attention into these
+        buffers (longer ones: zeros past the source, masked), without asking the device
+        whether there is padding."""
+        scorer = decoder.scorer
+        keys, values, bias = block_forward.encoder_keys_values(
+            scorer.decoder, encoder_out, scorer.project, without_host=True)
+        for ours, theirs in ((self.encoder_keys, keys), (self.encoder_values, values)):
             for mine, given in zip(ours, theirs):
                 mine.zero_()
                 mine[:, :, : given.size(2)] = given
         if self.encoder_bias is not None:
-            length = state.encoder_keys[0].size(2)
+            length = keys[0].size(2)
             self.encoder_bias.fill_(float("-inf"))
-            if state.encoder_bias is None:
-                self.encoder_bias[..., :length] = 0
-            else:
-                self.encoder_bias[..., :length] = state.encoder_bias
+            self.encoder_bias[..., :length] = 0 if bias is None else bias
 
 
 class StaticDecoder:
@@ -181,7 +181,7 @@ class StaticCachedDrafter:
         return CachedDrafterBuffers(memory, torch.zeros_like(batch.lengths))
 
     def fill(self, batch: Batch, net_input: Dict, encoder_out: Dict) -> None:
-        batch.drafter.memory.take_encoder(self.cached.start(net_input, encoder_out))
+        batch.drafter.memory.take_encoder(self.decoder, encoder_out)
         batch.drafter.fed.zero_()
 
     def draft(self, batch: Batch) -> Tensor:
@@ -225,6 +225,10 @@ class StaticLoop:
                  unk: int):  # fmt: skip
         self.verifier = StaticDecoder(verifier)
         self.verifier_scorer = verifier
+        encoder = verifier.model.encoder
+        self.encoder_layers = None  # the encoder's layers for block_forward.encode on CUDA
+        if scripted_layers.encoder_supported(encoder):
+            self.encoder_layers = scripted_layers.ScriptedLayers(encoder.layers, verifier.project)
         self.settings = settings
         self.eos, self.pad, self.unk = eos, pad, unk
         self._drafters: Dict[int, Optional[StaticDrafter]] = {}
@@ -232,6 +236,9 @@ class StaticLoop:
         self._graph_pool = None
         # False: on CUDA too every iteration runs eagerly (the same kernels, launched one by one)
         self.capture_graphs = True
+        # whether batches take the shapes of a captured graph (source lengths in buckets, the
+        # encoder without host reads); None: on CUDA. (The CPU tests set it, to check them.)
+        self.graph_shapes: Optional[bool] = None
         self.captures = 0  # graphs captured so far, and the seconds that took
         self.capture_seconds = 0.0
 
@@ -263,10 +270,9 @@ class StaticLoop:
         src_tokens = net_input["src_tokens"]
         device = src_tokens.device
         drafts = self.drafter_for(drafter) if k else None
-        encoder_out = self.verifier_scorer.encode(net_input)
-        state = self.verifier_scorer.start(net_input, encoder_out)
-        batch, step = self._batch(src_tokens.size(0), state, longest_limit, k, drafts, device)
-        batch.verifier.take_encoder(state)
+        encoder_out = self._encode(net_input)
+        batch, step = self._batch(src_tokens, longest_limit, k, drafts)
+        batch.verifier.take_encoder(self.verifier, encoder_out)
         if drafts is not None:
             drafts.fill(batch, net_input, encoder_out)
         has_source = src_lengths > 1
@@ -291,14 +297,24 @@ class StaticLoop:
         return {"tokens": tokens, "scores": scores, "lengths": lengths, "iterations": iterations,
                 "accepted": accepted, "calls": calls}  # fmt: skip
 
-    def _batch(self, rows: int, state: ScorerState, longest_limit: int, k: int,
-               drafts: Optional[StaticDrafter], device: torch.device):  # fmt: skip
+    def _encode(self, net_input: Dict) -> Dict:
+        """The verifier's encoder output: on CUDA without asking the device anything (stock
+        encoders; fairseq's forward asks whether there is padding)."""
+        encoder = self.verifier_scorer.model.encoder
+        src_tokens = net_input["src_tokens"]
+        if not self._graph_shapes(src_tokens.device) or self.encoder_layers is None:
+            return self.verifier_scorer.encode(net_input)
+        return block_forward.encode(encoder, src_tokens, self.encoder_layers, without_host=True)
+
+    def _batch(self, src_tokens: Tensor, longest_limit: int, k: int,
+               drafts: Optional[StaticDrafter]):  # fmt: skip
         """The batch's tensors and its iteration (a replay on CUDA): made anew on the CPU, on
         CUDA kept per shape with the graph captured for it."""
-        source_length = state.encoder_keys[0].size(2)
-        on_cuda = device.type == "cuda"
-        captured = on_cuda and self.capture_graphs
-        if on_cuda:  # the graph's shapes: padded source, the capacity its longest limit needs
+        rows, source_length = src_tokens.shape
+        device = src_tokens.device
+        graph_shapes = self._graph_shapes(device)
+        captured = device.type == "cuda" and self.capture_graphs
+        if graph_shapes:  # padded source, the capacity its longest limit needs
             source_length = -(-source_length // SOURCE_BUCKET) * SOURCE_BUCKET
             settings = self.settings
             longest_limit = min(int(settings.max_len_a * source_length + settings.max_len_b),
@@ -308,7 +324,7 @@ class StaticLoop:
         key = (rows, source_length, k, dtype, id(drafts))
         if captured and key in self._captured:
             return self._captured[key]
-        masked = on_cuda or state.encoder_bias is not None
+        masked = graph_shapes or rows > 1  # (a sentence alone has no padding)
         with torch.inference_mode(False):  # (buffers kept across calls in either mode)
             batch = self._allocate(rows, capacity, source_length, longest_limit, k, dtype, device,
                                    masked, drafts)  # fmt: skip
@@ -320,6 +336,9 @@ class StaticLoop:
         if captured:
             self._captured[key] = (batch, step)
         return batch, step
+
+    def _graph_shapes(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.graph_shapes is None else self.graph_shapes
 
     def _allocate(self, rows, capacity, source_length, longest_limit, k, dtype, device, masked,
                   drafts) -> Batch:  # fmt: skip
