@@ -203,7 +203,7 @@ print("--beta", s.beta, "--tau", s.tau)') || true
   # epoch by epoch: the Spec-Drafter (the issue's baseline; it drafts at 1.4-2.4x the cached
   # drafter's cost and trains 1.5x slower), the cached drafter trained on blocks of 5 masks with
   # 8 cuts per sentence (as many masks per sentence, twice the first positions: the first
-  # bundled cached drafter earned 0.98 of its 1.04 accepted drafts in its first 3; BENCHMARKS.md;
+  # bundled cached drafter earned 0.98 of its 1.04 accepted drafts in its first 3; docs/lab-notes.md;
   # validated at its own k = 5, which costs the cached drafter 0.013 drafts against k = 10), the
   # 1-layer cached drafter (cheaper drafts).
   local own

@@ -57,7 +57,7 @@ from spec_nmt.translator import SpecTranslator
 # Symbols a drafter drafts over by default: the 4,000 most frequent target symbols of
 # bench-de-en's training set (of 8,008) held 99.5 % of the first bundled cached drafter's
 # accepted drafts on newstest2013, for half of its output projection's rows
-# (BENCHMARKS.md, "By draft vocabulary").
+# (docs/lab-notes.md, "By draft vocabulary").
 DEFAULT_DRAFT_VOCAB_SIZE = 4000
 # sentences counted per bincount
 COUNTING_CHUNK = 10000

@@ -43,7 +43,7 @@ ACTIVATIONS = (utils.get_activation_fn("relu"), utils.get_activation_fn("gelu"))
 
 def script(function):
     """``torch.jit.script`` without its deprecation warning (torch is pinned; torch.compile,
-    its successor, lost to it here: BENCHMARKS.md, "What a block costs the verifier"); None
+    its successor, lost to it here: docs/lab-notes.md, "What a block costs the verifier"); None
     where this torch cannot compile it (no oneDNN products): decoding then keeps the modules."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
