@@ -237,6 +237,7 @@ KEEP_S=0
 TRAIN_MARGIN_S=$([[ $MODE == gpu ]] && echo 90 || echo 0)
 
 step() {  # step NAME SHARE CAP COMMAND...: at most 1/SHARE of the seconds left, and CAP if > 0
+    # (SHARE counts this step's later runs and the later steps: LATER)
     local name=$1 share=$2 cap=$3 left limit start status
     shift 3
     left=$((BUDGET_S - SECONDS - KEEP_S))
@@ -257,7 +258,7 @@ step() {  # step NAME SHARE CAP COMMAND...: at most 1/SHARE of the seconds left,
 }
 
 run_tests() {
-    step tests 2 0 env SPEC_NMT_TEST_DEVICE=$DEVICE SPEC_NMT_TEST_SOURCE=$CARRY/data/test.de \
+    step tests $((1 + LATER)) 0 env SPEC_NMT_TEST_DEVICE=$DEVICE SPEC_NMT_TEST_SOURCE=$CARRY/data/test.de \
         SPEC_NMT_TEST_LINES=$TEST_LINES SPEC_NMT_TEST_SAMPLES=$TEST_SAMPLES "$PY" -m pytest -q \
         -p no:cacheprovider -p no:xdist -rfE --durations=10 --junitxml="$OUT/tests.xml" \
         ${TEST_FILTER:+-k "$TEST_FILTER"} tests/test_cuda.py
@@ -265,7 +266,7 @@ run_tests() {
 
 run_syncs() {
     # where the loop makes the host wait for the GPU, counted before anything is timed
-    step syncs 6 0 "$PY" benchmarks/benchmark.py syncs "$MODEL_DIR" --src "$CARRY/data/test.de" \
+    step syncs $((1 + LATER)) 60 "$PY" benchmarks/benchmark.py syncs "$MODEL_DIR" --src "$CARRY/data/test.de" \
         --lines "$SYNC_LINES" --batch-sizes "$SYNC_SIZES" --device "$DEVICE" --warmup-lines 1 \
         --json "$WORK/syncs.json"
 }
@@ -277,7 +278,8 @@ run_bench() {
     local bench=(benchmarks/benchmark.py ceiling "$MODEL_DIR" --src "$CARRY/data/test.de"
                  --ref "$CARRY/data/test.en" --device "$DEVICE" --warmup-lines "$WARMUP_LINES"
                  --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1)
-    local runs=("fp32 1 $BATCH1_LINES" "fp32 $BATCHED_SIZES $BATCHED_LINES" "fp16 1 $((BATCH1_LINES / 3))")
+    local runs=("fp32 1 $BATCH1_LINES" "fp32 $BATCHED_SIZES $BATCHED_LINES"
+                "fp16 1 $(((BATCH1_LINES + 2) / 3))")
     local index precision sizes lines name headline
     # BENCH_RUNS="PRECISION SIZES LINES;...": these runs instead, in this order
     [[ -n ${BENCH_RUNS:-} ]] && IFS=';' read -r -a runs <<<"$BENCH_RUNS"
@@ -286,7 +288,7 @@ run_bench() {
         name="bench-$precision-batch-${sizes//,/-}"
         headline=()
         [[ $precision == fp32 && $sizes == 1 ]] && headline=(--headline "$OUT/headline.json")
-        step "$name" $((${#runs[@]} - index)) 0 "$PY" "${bench[@]}" --lines "$lines" \
+        step "$name" $((${#runs[@]} - index + LATER)) 0 "$PY" "${bench[@]}" --lines "$lines" \
             --batch-sizes "$sizes" $([[ $precision == fp16 ]] && echo --fp16) \
             "${headline[@]}" --json "$WORK/$name.json"
     done
@@ -295,7 +297,7 @@ run_bench() {
 run_sizes() {
     # speed by verifier size (bundled, random transformer-base and -big), accepted drafts and
     # batch size
-    step sizes 2 0 "$PY" benchmarks/benchmark.py sizes "$MODEL_DIR" --src "$CARRY/data/test.de" \
+    step sizes $((1 + LATER)) 0 "$PY" benchmarks/benchmark.py sizes "$MODEL_DIR" --src "$CARRY/data/test.de" \
         --device "$DEVICE" --lines "$SIZE_LINES" --batch-sizes "$SIZE_BATCHES" \
         --output-length "$SIZE_LENGTH" --warmup-lines 1 --json "$WORK/sizes.json"
 }
@@ -320,7 +322,7 @@ run_distill() {
 run_feature() {
     # the feature drafter (one drafter call per draft) against the bundled drafter's rows of
     # the bench step, fp32, at batch 1 and 8; before bench, whose last run takes what is left
-    step bench-feature 3 90 "$PY" benchmarks/benchmark.py ceiling "$MODEL_DIR" \
+    step bench-feature $((1 + LATER)) 90 "$PY" benchmarks/benchmark.py ceiling "$MODEL_DIR" \
         --drafter-path "$FEATURE_CARRIED" --src "$CARRY/data/test.de" --ref "$CARRY/data/test.en" \
         --device "$DEVICE" --warmup-lines "$WARMUP_LINES" --lossless-blocks 5 \
         --draft-stops 10:0.6 --top-beta 8:3:1 --lines "$BATCH1_LINES" --batch-sizes 1,8 \
@@ -335,7 +337,10 @@ run_train() {
     step train 1 "$seconds" "$SELF" --train-drafter "$seconds" "$DEVICE"
 }
 
-for name in $GPU_STEPS; do
+read -r -a ORDER <<<"$GPU_STEPS"
+for index in "${!ORDER[@]}"; do
+    name=${ORDER[$index]}
+    LATER=$((${#ORDER[@]} - index - 1))  # steps after this one, whose time a step leaves them
     case $name in
     tests | syncs | bench | sizes | distill | feature | train) "run_$name" ;;
     *) echo "gpu_check: unknown step $name in GPU_STEPS (tests, syncs, bench, sizes, distill, feature, train)" ;;

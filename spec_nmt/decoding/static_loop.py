@@ -22,6 +22,7 @@ It serves the top-beta rule with chains of drafts from the cached drafter, a ``S
 the dynamic loop (``StaticLoop.serves``).
 """
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Protocol, Tuple
@@ -35,8 +36,13 @@ from spec_nmt.decoding.rules import accept_top_beta
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.settings import DecodingSettings, DraftPlan
 
+logger = logging.getLogger(__name__)
+
 # On CUDA, source lengths are padded up to a multiple of this: one captured graph per bucket
 SOURCE_BUCKET = 16
+# graphs kept per generator (batch sizes x source buckets x k): a file's last, smaller batch
+# makes one of its own
+MAX_GRAPHS = 64
 
 
 @dataclass
@@ -231,7 +237,9 @@ class StaticLoop:
             self.encoder_layers = scripted_layers.ScriptedLayers(encoder.layers, verifier.project)
         self.settings = settings
         self.eos, self.pad, self.unk = eos, pad, unk
-        self._drafters: Dict[int, Optional[StaticDrafter]] = {}
+        self._drafter: Optional[Tuple[object, Optional[StaticDrafter]]] = None
+        # per batch shape, its tensors and its graph's replay (the oldest dropped past
+        # MAX_GRAPHS: each holds its batch's caches on the device)
         self._captured: Dict[Tuple, Tuple[Batch, object]] = {}
         self._graph_pool = None
         # False: on CUDA too every iteration runs eagerly (the same kernels, launched one by one)
@@ -257,10 +265,10 @@ class StaticLoop:
             scorer is None or scripted_layers.decoder_supported(scorer.decoder))
 
     def drafter_for(self, drafter) -> Optional[StaticDrafter]:
-        key = id(drafter)
-        if key not in self._drafters:
-            self._drafters[key] = static_drafter(drafter)
-        return self._drafters[key]
+        """The static form of ``drafter``, made once (its captured graphs are keyed by it)."""
+        if self._drafter is None or self._drafter[0] is not drafter:
+            self._drafter = (drafter, static_drafter(drafter))
+        return self._drafter[1]
 
     def decode(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor, longest_limit: int,
                drafter, k: int) -> Dict:  # fmt: skip
@@ -268,7 +276,6 @@ class StaticLoop:
         their largest); returns each row's tokens, scores, length, iterations and accepted
         drafts, read to the host at once, and the verifier calls made."""
         src_tokens = net_input["src_tokens"]
-        device = src_tokens.device
         drafts = self.drafter_for(drafter) if k else None
         encoder_out = self._encode(net_input)
         batch, step = self._batch(src_tokens, longest_limit, k, drafts)
@@ -285,7 +292,6 @@ class StaticLoop:
         batch.live.copy_(has_source)
         batch.iterations.zero_()
         batch.accepted.zero_()
-        # each iteration emits at least one token per live row, and a row at its limit ends
         calls = 0
         while calls <= longest_limit:  # a live row emits a token per call and ends at its limit
             step()
@@ -332,8 +338,17 @@ class StaticLoop:
             def iteration():
                 self._iteration(batch, drafts)
 
-            step = self._capture(iteration) if captured else iteration
+            step = iteration
+            if captured:
+                try:
+                    step = self._capture(iteration)
+                except RuntimeError as error:  # a kernel that cannot be captured: run eagerly
+                    logger.warning("the static loop runs without CUDA graphs: %s",
+                                   str(error).strip().splitlines()[0])  # fmt: skip
+                    self.capture_graphs = captured = False
         if captured:
+            if len(self._captured) >= MAX_GRAPHS:
+                del self._captured[next(iter(self._captured))]
             self._captured[key] = (batch, step)
         return batch, step
 
