@@ -180,6 +180,9 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                      "--draft-stop P (e.g. 8:0.5); and at P with --top-beta's rule")
     sub.add_argument("--ctranslate2", action="store_true",
                      help="add CTranslate2 greedy rows (fp32, int8) of the same verifier")
+    sub.add_argument("--no-phases", dest="phases", action="store_false",
+                     help="no breakdown of the dynamic loop's iterations into phases (on a GPU "
+                     "it takes a second run of those systems)")
     sub.add_argument("--headline", default=None,
                      help="write the batch-1 figures into this JSON (benchmarks/results/"
                      "headline.json: {\"gpu\": RUN, \"cpu\": RUN}), replacing this kind's run")

@@ -125,7 +125,8 @@ def ceiling(args):
         # On a GPU the phase timers wait for the GPU at every phase, which would slow the timed
         # run: there the breakdown comes from a second run of the speculative systems. The
         # static loop's iteration is one call (one graph on a GPU): it has no phases to time.
-        phased = [name for name in speculative if not systems[name].on_static_loop]
+        phased = [name for name in speculative
+                  if not systems[name].on_static_loop and args.phases]
         separate = pair.device.type == "cuda"
         if not separate:
             timers = {name: PhaseTimer(systems[name]) for name in phased}

@@ -30,7 +30,8 @@
 # Sizes (environment): TEST_LINES (lossless tests), TEST_SAMPLES (chi-square tests), TEST_FILTER
 # (pytest -k of the CUDA tests; empty: all), SYNC_LINES (lines of the syncs count), BATCH1_LINES
 # and BATCHED_LINES (benchmark lines at batch 1 and at the other batch sizes), BENCH_RUNS (the
-# benchmark runs, as the runs list in run_bench), SIZE_LINES and SIZE_BATCHES (the model-size
+# benchmark runs, as the runs list in run_bench), BENCH_FLAGS (the systems the benchmark adds to
+# its own; default: beam 5, k = 2, 5, 10, top-beta 5:3:1), SYNC_SIZES, SIZE_LINES and SIZE_BATCHES (the model-size
 # table), DISTILL_LINES (0: all), TRAIN_S (the seconds kept for training, exports included; 0:
 # what the steps before it leave), BUDGET_S. GPU_STEPS lists the steps in the order they run
 # (default "tests syncs bench sizes distill feature train"; feature needs the prepared feature
@@ -180,7 +181,7 @@ gpu)
     # their code is unchanged, so the default filter keeps the lossless and static-loop tests
     TEST_LINES=${TEST_LINES:-32} TEST_SAMPLES=${TEST_SAMPLES:-20000} SYNC_LINES=${SYNC_LINES:-16}
     TEST_FILTER=${TEST_FILTER-lossless or captured or replay or static or sync}
-    SYNC_SIZES=1,32
+    SYNC_SIZES=${SYNC_SIZES:-1,32}
     BATCH1_LINES=${BATCH1_LINES:-100} BATCHED_LINES=${BATCHED_LINES:-128}
     BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-540} TRAIN_S=${TRAIN_S:-0}
     SIZE_LINES=${SIZE_LINES:-16} SIZE_BATCHES=1,8,32 SIZE_LENGTH=32 DISTILL_LINES=${DISTILL_LINES:-0}
@@ -275,9 +276,11 @@ run_bench() {
     # newstest2014, every system at every batch size in each precision: the static loop (our
     # captured greedy, the defaults, the oracle, k = 2, 5, 10, the relaxed 5:3:1) beside the
     # dynamic loop and stock fairseq greedy and beam 5; the fp32 batch-1 run writes headline.json
+    local extra
+    read -r -a extra <<<"${BENCH_FLAGS---beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1}"
     local bench=(benchmarks/benchmark.py ceiling "$MODEL_DIR" --src "$CARRY/data/test.de"
                  --ref "$CARRY/data/test.en" --device "$DEVICE" --warmup-lines "$WARMUP_LINES"
-                 --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1)
+                 "${extra[@]}")
     local runs=("fp32 1 $BATCH1_LINES" "fp32 $BATCHED_SIZES $BATCHED_LINES"
                 "fp16 1 $(((BATCH1_LINES + 2) / 3))")
     local index precision sizes lines name headline

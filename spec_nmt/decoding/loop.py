@@ -128,16 +128,16 @@ class SpeculativeGenerator:
         src_lengths = net_input.get("src_lengths")
         if src_lengths is None:
             src_lengths = src_tokens.ne(self.pad).sum(dim=1)
-        source_lengths = src_lengths.tolist()  # the batch's one read before decoding
-        limits = self._max_lengths(source_lengths)
-        if self.settings.min_len > min(limits):
-            raise SpecNmtError("--min-len cannot be larger than the maximum output length")
-        max_lens = torch.tensor(limits, device=src_tokens.device)
         if trace is None and self.static is not None:
-            drafter, plan = self._drafting(sum(length > 1 for length in source_lengths))
+            # the static loop reads nothing from the device before decoding: every row counts
+            # as a sentence for the drafting limit (an empty line changes the speed, not the
+            # tokens)
+            drafter, plan = self._drafting(src_tokens.size(0))
             if StaticLoop.serves(self.settings, plan, drafter, self.verifier):
-                return self._generate_static(net_input, src_lengths, source_lengths, limits,
-                                             max_lens, drafter, plan)  # fmt: skip
+                return self._generate_static(net_input, src_lengths, drafter, plan)
+        limits = self._max_lengths(src_lengths.tolist())
+        self._check_min_len(limits)
+        max_lens = torch.tensor(limits, device=src_tokens.device)
         rng = self.rng(src_tokens.device)
         batch = self._start(net_input, src_lengths, max_lens)
         rows = batch.rows
@@ -165,14 +165,20 @@ class SpeculativeGenerator:
         self.stats.sentences += src_tokens.size(0)
         return batch.finalized
 
-    def _generate_static(self, net_input: Dict, src_lengths: Tensor, source_lengths: List[int],
-                         limits: List[int], max_lens: Tensor, drafter: Drafter,
+    def _generate_static(self, net_input: Dict, src_lengths: Tensor, drafter: Drafter,
                          plan: DraftPlan):  # fmt: skip
-        """``generate`` on the static loop (static_loop.py): the same hypotheses and totals."""
+        """``generate`` on the static loop (static_loop.py): the same hypotheses and totals.
+        The length limits are computed on the device, as ``_max_lengths`` computes them."""
         if drafter is not self.drafter:
             self.stats.batches_without_drafts += 1
-        decoded = self.static.decode(net_input, src_lengths, max_lens, max(limits), drafter,
+        a, b = self.settings.max_len_a, self.settings.max_len_b
+        max_lens = (a * src_lengths.double() + b).trunc().long().clamp(max=self.max_len - 1)
+        width = net_input["src_tokens"].size(1)  # the longest source
+        longest = min(int(a * width + b), self.max_len - 1)
+        decoded = self.static.decode(net_input, src_lengths, max_lens, longest, drafter,
                                      plan.depth)  # fmt: skip
+        source_lengths = decoded["src_lengths"].tolist()
+        self._check_min_len(self._max_lengths(source_lengths))
         finalized = []
         for row, source_length in enumerate(source_lengths):
             length = int(decoded["lengths"][row])
@@ -311,6 +317,10 @@ class SpeculativeGenerator:
         if batch.rows.sentences:
             self.verifier.select_rows(batch.verifier_state, keep)
             batch.drafter.select_rows(batch.drafter_state, keep)
+
+    def _check_min_len(self, limits: List[int]) -> None:
+        if self.settings.min_len > min(limits):
+            raise SpecNmtError("--min-len cannot be larger than the maximum output length")
 
     def _max_lengths(self, source_lengths: List[int]) -> List[int]:
         """Each sentence's output length limit, max_len_a * its source length + max_len_b, in

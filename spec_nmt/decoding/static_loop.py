@@ -274,7 +274,7 @@ class StaticLoop:
                drafter, k: int) -> Dict:  # fmt: skip
         """Decode one batch (``max_lens`` [B] each sentence's output limit, ``longest_limit``
         their largest); returns each row's tokens, scores, length, iterations and accepted
-        drafts, read to the host at once, and the verifier calls made."""
+        drafts with the source lengths, read to the host at once, and the verifier calls made."""
         src_tokens = net_input["src_tokens"]
         drafts = self.drafter_for(drafter) if k else None
         encoder_out = self._encode(net_input)
@@ -298,10 +298,7 @@ class StaticLoop:
             calls += 1
             if not any_true(batch.going):
                 break
-        tokens, scores, lengths, iterations, accepted = host_read(
-            batch.tokens, batch.scores, batch.lengths, batch.iterations, batch.accepted)
-        return {"tokens": tokens, "scores": scores, "lengths": lengths, "iterations": iterations,
-                "accepted": accepted, "calls": calls}  # fmt: skip
+        return dict(_read_back(batch, src_lengths), calls=calls)
 
     def _encode(self, net_input: Dict) -> Dict:
         """The verifier's encoder output: on CUDA without asking the device anything (stock
@@ -331,7 +328,8 @@ class StaticLoop:
         if captured and key in self._captured:
             return self._captured[key]
         masked = graph_shapes or rows > 1  # (a sentence alone has no padding)
-        with torch.inference_mode(False):  # (buffers kept across calls in either mode)
+        # buffers kept across calls in either mode (inference_mode(False) turns gradients on)
+        with torch.inference_mode(False), torch.no_grad():
             batch = self._allocate(rows, capacity, source_length, longest_limit, k, dtype, device,
                                    masked, drafts)  # fmt: skip
 
@@ -437,6 +435,20 @@ class StaticLoop:
         logits.masked_fill_(steps.ge(max_lens.unsqueeze(1)).unsqueeze(2), float("-inf"))
         logits[:, :, self.eos] = eos_logits.masked_fill(steps.lt(settings.min_len), float("-inf"))
         return normalizer
+
+
+def _read_back(batch: Batch, src_lengths: Tensor) -> Dict[str, Tensor]:
+    """Each row's length, iterations, accepted drafts, source length, tokens and scores, copied
+    to the host as one tensor (one wait; the scores' float64 bits ride along as integers)."""
+    rows, width = batch.tokens.shape
+    counts = (batch.lengths, batch.iterations, batch.accepted, src_lengths.long())
+    scores = batch.scores.double().view(torch.long)
+    (packed,) = host_read(torch.cat([*counts, batch.tokens.flatten(), scores.flatten()]))
+    names = ("lengths", "iterations", "accepted", "src_lengths")
+    found = dict(zip(names, packed[: 4 * rows].view(4, rows)))
+    found["tokens"] = packed[4 * rows : (4 + width) * rows].view(rows, width)
+    found["scores"] = packed[(4 + width) * rows :].view(torch.float64).view(rows, -1).float()
+    return found
 
 
 def emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos: int):
