@@ -128,11 +128,12 @@ def ceiling(args):
         phased = [name for name in speculative
                   if not systems[name].on_static_loop and args.phases]
         separate = pair.device.type == "cuda"
+        timers = {}
         if not separate:
             timers = {name: PhaseTimer(systems[name]) for name in phased}
         results = decode_all(pair, systems, tokens, batch_size)
         broken_down = results
-        if separate:
+        if separate and phased:
             timers = {name: PhaseTimer(systems[name]) for name in phased}
             broken_down = decode_all(pair, {name: systems[name] for name in phased}, tokens,
                                      batch_size)  # fmt: skip

@@ -105,6 +105,8 @@ def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
         if isinstance(generator, SpeculativeGenerator):
             generator.stats = DecodingStats()
     names = list(systems)
+    if not names:
+        return results
     with torch.inference_mode():
         for batch_number, (lines, sample) in enumerate(pair.batches(tokens, batch_size)):
             rotation = (batch_number + rotation_offset) % len(names)
