@@ -2,12 +2,13 @@
 process by ``spec-nmt-translate --threads``, ``SpecTranslator.from_pretrained(threads=...)`` and
 ``make translate THREADS=...``. The default lives here and nowhere else.
 
-Why 1 by default (benchmarks/results/busy-machine-threads.json, 2-core AMD EPYC): beside another
-process that keeps a core busy (a training run, a second translator), torch's own default of one
-thread per core makes every operation wait for the thread whose core is taken, and decoding at
-batch 1 runs tens of times slower; one thread runs at about its idle speed there. On an idle
-machine one thread is as fast at batch 1 and gives up about a third of the throughput of large
-batches, which ``--threads`` wins back where the cores are free.
+Why 1 by default (benchmarks/results/busy-machine-threads.json, 2 cores, batch 1): torch's own
+default, one thread per core, makes every operation wait for the thread whose core another
+process holds. Beside a 2-thread torch job, 2 threads decoded at 101 ms per token and 1 thread at
+4.1 (3.1 idle); beside a one-core busy loop, 15 against 2.8. Idle, 2 threads gain about 10% at
+batch 1 and 1.7x in batches of 32: ``--threads`` is for cores nothing else needs. OpenMP's
+passive wait policy (OMP_WAIT_POLICY=PASSIVE, read when torch loads) avoids the collapse but
+left 2 threads no faster than 1 anywhere, so nothing sets it.
 """
 
 import torch
@@ -16,9 +17,9 @@ from spec_nmt.errors import SpecNmtError
 
 DEFAULT_THREADS = 1
 THREADS_HELP = (
-    "CPU threads torch may use for one operation. The default, 1, stays fast beside other "
-    "busy processes; more threads decode large batches faster on cores that are otherwise "
-    "idle, but can be tens of times slower where another process holds a core"
+    "CPU threads torch may use for one operation, in the whole process. The default, 1, stays "
+    "fast beside other busy processes; 2 threads decoded batches of 32 1.7x faster on an idle "
+    "2-core machine but about 30x slower at batch 1 beside another 2-thread torch process"
 )
 
 
