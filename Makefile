@@ -16,6 +16,8 @@ SPLIT ?= 1
 # spec_nmt/settings.py)
 SETTINGS = $(if $(BLOCK_SIZE),--block-size $(BLOCK_SIZE)) $(if $(BETA),--beta $(BETA)) $(if $(TAU),--tau $(TAU)) \
   $(if $(MAX_DRAFT_BATCH),--max-draft-batch $(MAX_DRAFT_BATCH))
+# THREADS: torch's CPU threads (spec-nmt-translate --threads; default and why: spec_nmt/runtime.py)
+THREADS_OF = from spec_nmt.runtime import DEFAULT_THREADS; print(DEFAULT_THREADS)
 # fairseq-interactive gets the same output length limit as the API (fairseq's own is 0/200)
 LENGTH_FLAGS = from spec_nmt.settings import DEFAULTS; print(*DEFAULTS.fairseq_flags(['max_len_a', 'max_len_b']))
 
@@ -39,6 +41,7 @@ test: $(STAMP)
 # (INPUT=data/examples.de translates the examples). Prints one English line per input line;
 # lines of several sentences are split and joined again (SPLIT=0: one line = one sentence), files
 # are decoded in batches (BATCH_SIZE sentences, default spec-nmt-translate's) with a progress bar.
+# THREADS=N lets torch use N CPU threads (spec-nmt-translate --threads, which says why its default).
 # STATS=1 adds spec-nmt-translate --stats (whether drafting ran, accepted drafts per iteration).
 # FAIRSEQ_OUTPUT=1 runs fairseq-interactive instead (one line = one sentence) and shows its
 # S-/H-/D-/P- output and logs. Like SPLIT, these switches read 0, no and false as off.
@@ -48,6 +51,7 @@ translate: $(STAMP)
 	done
 ifneq ($(filter-out 0 no false,$(FAIRSEQ_OUTPUT)),)
 	@if [ -n "$(INPUT)" ]; then cat "$(INPUT)"; else cat; fi | \
+	OMP_NUM_THREADS=$(or $(THREADS),$$($(PY) -c "$(THREADS_OF)")) \
 	PYTHONWARNINGS=ignore $(VENV)/bin/fairseq-interactive $(MODEL_DIR) --user-dir spec_nmt --task spec_translation \
 	  --source-lang de --target-lang en --path $(MODEL_DIR)/verifier.pt \
 	  --drafter-path $(MODEL_DIR)/drafter.pt $(SETTINGS) $$($(PY) -c "$(LENGTH_FLAGS)") \
@@ -55,6 +59,7 @@ ifneq ($(filter-out 0 no false,$(FAIRSEQ_OUTPUT)),)
 else
 	@PYTHONWARNINGS=ignore $(VENV)/bin/spec-nmt-translate '$(MODEL_DIR)' --cpu \
 	  $(SETTINGS) $(if $(BATCH_SIZE),--batch-size $(BATCH_SIZE)) \
+	  $(if $(THREADS),--threads $(THREADS)) \
 	  $(if $(filter 0 no false,$(SPLIT)),--no-split-sentences) \
 	  $(if $(filter-out 0 no false,$(STATS)),--stats) \
 	  --input $(if $(INPUT),'$(subst ','\'',$(INPUT))',-)

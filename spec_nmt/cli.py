@@ -25,12 +25,14 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator, List, TextIO
 
+import torch
 from tqdm import tqdm
 
 from spec_nmt.decoding.loop import DecodingStats
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
+from spec_nmt.runtime import DEFAULT_THREADS, THREADS_HELP, check_threads
 from spec_nmt.settings import DECODING_LOOPS, DEFAULTS, flag_help
 from spec_nmt.text import tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
@@ -102,6 +104,12 @@ def parse_args(argv=None):
         "--cpu", action="store_true", help="decode on the CPU even if CUDA is available"
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help=THREADS_HELP + " (default: %(default)s)",
+    )
+    parser.add_argument(
         "--drafter-precision",
         choices=DRAFTER_PRECISION_NAMES,
         default=DEFAULT_DRAFTER_PRECISION,
@@ -112,6 +120,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.buffer_size < 1:
         raise SpecNmtError(f"--buffer-size must be >= 1, got {args.buffer_size}")
+    check_threads(args.threads, "--threads")
     given = [name for name in SAMPLING_SETTINGS if getattr(args, name) is not None]
     if given and not RULES[args.verify or DEFAULTS.verify].sampled_drafts:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
@@ -275,7 +284,7 @@ def report(translator, totals: Totals, seconds: float, args) -> None:
         f"{stats.mean_accepted_per_iteration:.2f} accepted drafts per iteration "
         f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted in "
         f"{stats.iterations} iterations)",
-        speed,
+        f"{speed}, {counted(torch.get_num_threads(), 'CPU thread')}",
         f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
         "log-probability per output token, EOS included, in nats)",
     ]
@@ -296,6 +305,7 @@ def main(argv=None):
         drafter_path=args.drafter_path,
         device="cpu" if args.cpu else None,
         drafter_precision=args.drafter_precision,
+        threads=args.threads,
         **settings,
     )
     totals = Totals()

@@ -33,6 +33,7 @@ from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, load_drafter
+from spec_nmt.runtime import DEFAULT_THREADS, use_threads
 from spec_nmt.settings import DEFAULTS, DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from spec_nmt.text import cut_to_limit, join_pieces, join_sentences, split_sentences
@@ -72,13 +73,17 @@ class SpecTranslator:
         drafter_precision: str = DEFAULT_DRAFTER_PRECISION,
         verbose: bool = False,
         dtype: torch.dtype = torch.float32,
+        threads: int = DEFAULT_THREADS,
         **settings,
     ) -> "SpecTranslator":
         """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``
         (default: CUDA when available) in ``dtype`` (torch.float16: as fairseq's --fp16);
         ``drafter_precision`` (auto, fp32, int8) is the task's ``--drafter-precision``.
         ``settings`` are the defaults of every call. fairseq's and spec_nmt's INFO lines
-        (dictionary sizes, loading) go to the log only when ``verbose``; warnings always do."""
+        (dictionary sizes, loading) go to the log only when ``verbose``; warnings always do.
+        ``threads``: torch's CPU threads per operation, set for the whole process
+        (torch.set_num_threads; spec_nmt/runtime.py says why the default is 1)."""
+        use_threads(threads)  # (first: the product kernels are chosen per thread count)
         # fairseq sets the root logger to DEBUG when imported: an application embedding the
         # translator would print every loading step otherwise
         for name in ("fairseq", "spec_nmt"):

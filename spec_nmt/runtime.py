@@ -1,0 +1,36 @@
+"""The process's CPU threads: how many threads torch gives one operation, set once for the whole
+process by ``spec-nmt-translate --threads``, ``SpecTranslator.from_pretrained(threads=...)`` and
+``make translate THREADS=...``. The default lives here and nowhere else.
+
+Why 1 by default (benchmarks/results/busy-machine-threads.json, 2 cores, batch 1): torch's own
+default, one thread per core, makes every operation wait for the thread whose core another
+process holds. Beside a 2-thread torch job, 2 threads decoded at 101 ms per token and 1 thread at
+4.1 (3.1 idle); beside a one-core busy loop, 15 against 2.8. Idle, 2 threads gain about 10% at
+batch 1 and 1.7x in batches of 32: ``--threads`` is for cores nothing else needs. OpenMP's
+passive wait policy (OMP_WAIT_POLICY=PASSIVE, read when torch loads) avoids the collapse but
+left 2 threads no faster than 1 anywhere, so nothing sets it.
+"""
+
+import torch
+
+from spec_nmt.errors import SpecNmtError
+
+DEFAULT_THREADS = 1
+THREADS_HELP = (
+    "CPU threads torch may use for one operation, in the whole process. The default, 1, stays "
+    "fast beside other busy processes; 2 threads decoded batches of 32 1.7x faster on an idle "
+    "2-core machine but about 30x slower at batch 1 beside another 2-thread torch process"
+)
+
+
+def check_threads(threads, name: str = "threads") -> int:
+    """``threads`` if it is a whole number >= 1, else a one-line error naming ``name`` (the
+    keyword or flag the caller used)."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise SpecNmtError(f"{name} must be an integer >= 1 (CPU threads), got {threads!r}")
+    return threads
+
+
+def use_threads(threads: int, name: str = "threads") -> None:
+    """Let torch use ``threads`` threads per operation, in the whole process, from now on."""
+    torch.set_num_threads(check_threads(threads, name))
