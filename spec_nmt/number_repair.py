@@ -16,8 +16,8 @@ So English "1.500" (one and a half) does not keep German "1.500" (fifteen hundre
 "$420" does not keep "$4.20". A source's numbers are kept when every one of them, counted as
 often as it occurs, has its own same number in the output.
 
-The bundled pair copies digits piece by piece and sometimes gets them wrong ("1944" →
-"19444") or drops them with the words around them. A sentence whose translation lost a number
+The bundled pair copies digits piece by piece and sometimes gets them wrong ("1933" →
+"19333") or drops them with the words around them. A sentence whose translation lost a number
 is repaired after decoding, in two steps, each only where the one before left a number out:
 
 1. **Substitution.** The source's numbers that the output lacks and the output's numbers that
@@ -35,7 +35,7 @@ Lines without digits are never touched, and neither is a translation that kept e
 """
 
 import re
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from fairseq.search import LexicallyConstrainedBeamSearch
@@ -183,8 +183,3 @@ class ConstrainedRedecoder:
             hypos = self.generator(beam).generate([self.verifier], sample, constraints=packed)
         return self.decode(hypos[0][0]["tokens"].cpu())
 
-
-def repair_all(sources: Sequence[str], outputs: Sequence[str],
-               redecode: Optional[Callable[[str], str]] = None) -> List[str]:  # fmt: skip
-    """``repair`` of each (source sentence, translation) pair; as many outputs as inputs."""
-    return [repair(source, output, redecode) for source, output in zip(sources, outputs)]
