@@ -12,6 +12,8 @@ the end (--stats: also whether drafting ran and how much it earned). At a termin
 line is translated as soon as it is typed (Ctrl-D ends). Input that is not text (NUL bytes, or
 mostly bytes that are not UTF-8: a binary or compressed file) is refused.
 
+A sentence whose translation lost one of its numbers is repaired (--no-number-repair: not).
+
 --verify sampling or rsd samples translations (--temperature, --sampling-topk, --sampling-topp),
 from a fresh seed each run unless --seed gives one.
 """
@@ -89,6 +91,15 @@ def parse_args(argv=None):
         "--no-split-sentences",
         action="store_true",
         help="translate each line as one sentence (as fairseq-interactive does)",
+    )
+    parser.add_argument(
+        "--no-number-repair",
+        action="store_true",
+        help="print the model's translations as they are. By default a sentence whose "
+        "translation lost one of its source's numbers gets it back: the lost number replaces "
+        "a wrong one, or the sentence is decoded again by the verifier with its numbers as "
+        "constraints (beam search). Lossless output (the verifier's greedy translation) and "
+        "exact samples are what the model gives before that repair",
     )
     parser.add_argument(
         "--quiet", action="store_true", help="no progress bar and no throughput line"
@@ -227,6 +238,7 @@ def translate_stream(translator, stream: TextIO, args, totals: Totals) -> None:
                 batch_size=args.batch_size,
                 split_sentences=not args.no_split_sentences,
                 progress=bar.update,
+                keep_numbers=not args.no_number_repair,
             )
             sys.stdout.write("".join(t + "\n" for t in translations))
             sys.stdout.flush()
@@ -240,7 +252,8 @@ def translate_typed_lines(translator, args, totals: Totals) -> None:
               file=sys.stderr, flush=True)  # fmt: skip
     decode = decoder(translator)
     for line in sys.stdin:
-        print(decode(line.rstrip("\n"), split_sentences=not args.no_split_sentences), flush=True)
+        print(decode(line.rstrip("\n"), split_sentences=not args.no_split_sentences,
+                     keep_numbers=not args.no_number_repair), flush=True)  # fmt: skip
         totals.add(translator, 1)
 
 

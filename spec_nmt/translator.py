@@ -15,8 +15,14 @@ line as it is). A model directory holds verifier.pt, drafter.pt, dict.{src,tgt}.
 output; decoding settings are keyword arguments named as in ``DecodingSettings``
 (spec_nmt/settings.py, which holds their defaults): block_size, beta, tau, verify,
 tree_branching, tree_budget, temperature, sampling_topk, sampling_topp, seed, max_len_a, ...
+
+A sentence whose translation lost one of its numbers is repaired after decoding
+(spec_nmt/number_repair.py; ``keep_numbers=False`` turns it off): the guarantees of the rules
+(lossless: the verifier's greedy output; sampling: exact samples) hold for the model's output
+before that repair, and for every sentence that kept its numbers.
 """
 
+import functools
 import logging
 import secrets
 import unicodedata
@@ -33,6 +39,7 @@ from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, load_drafter
+from spec_nmt.number_repair import ConstrainedRedecoder, repair
 from spec_nmt.runtime import DEFAULT_THREADS, use_threads
 from spec_nmt.settings import DEFAULTS, DecodingSettings
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
@@ -128,16 +135,20 @@ class SpecTranslator:
         batch_size: int = DEFAULT_BATCH_SIZE,
         split_sentences: bool = True,
         progress: Optional[Callable[[int], None]] = None,
+        keep_numbers: bool = True,
         **settings,
     ):
         """Translate one line (returns a string) or a list (returns a list, same order). A line
         of several sentences is split, its sentences are translated in batches with all others
         and joined again (``split_sentences=False`` sends each line as one sentence).
-        ``progress(n)`` is called whenever n more lines are done."""
+        ``progress(n)`` is called whenever n more lines are done. ``keep_numbers``: a sentence
+        whose translation lost a number of its source gets it back (spec_nmt/number_repair.py);
+        lossless output is the verifier's greedy output before that repair, and ``False``
+        returns it as it is."""
         generator = self.generator(**settings)
         if RULES[generator.verify].sampled_drafts:
             raise SpecNmtError("translate() verifies greedy decoding; use sample() to sample")
-        return self._decode(generator, lines, batch_size, split_sentences, progress)
+        return self._decode(generator, lines, batch_size, split_sentences, progress, keep_numbers)
 
     def sample(
         self,
@@ -148,6 +159,7 @@ class SpecTranslator:
         batch_size: int = DEFAULT_BATCH_SIZE,
         split_sentences: bool = True,
         progress: Optional[Callable[[int], None]] = None,
+        keep_numbers: bool = True,
         **settings,
     ):
         """Sample translations exactly from the verifier (temperature, sampling_topk,
@@ -156,7 +168,9 @@ class SpecTranslator:
         translator's rule if it samples, else ``rsd`` over its tree (tree_branching: RSD-C,
         tree_budget: RSD-S) or, without one, ``sampling``. Equal seeds give equal samples;
         without a seed (here or to from_pretrained) every call draws a fresh one, so repeated
-        calls give different samples. Lines are split into sentences as in translate()."""
+        calls give different samples. Lines are split into sentences as in translate(), and
+        numbers are repaired as there: a sample that lost a number is replaced, so the samples
+        are exact only with ``keep_numbers=False``."""
         sampling_rules = [name for name, rule in RULES.items() if rule.sampled_drafts]
         if verify is None:
             verify = self.settings.verify
@@ -172,7 +186,7 @@ class SpecTranslator:
         given = {"temperature": temperature, "seed": seed}
         settings.update({name: value for name, value in given.items() if value is not None})
         generator = self.generator(verify=verify, **settings)
-        return self._decode(generator, lines, batch_size, split_sentences, progress)
+        return self._decode(generator, lines, batch_size, split_sentences, progress, keep_numbers)
 
     def encode(self, lines: Sequence[str]) -> List[torch.Tensor]:
         """Source token ids per line; a line longer than the models accept keeps its first
@@ -183,6 +197,11 @@ class SpecTranslator:
             ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=True).long()
             tokens.append(cut_to_limit(ids, self.max_source_tokens))
         return tokens
+
+    def encode_target(self, text: str) -> torch.Tensor:
+        """Target token ids of ``text``, without EOS (a constraint of number repair)."""
+        pieces = " ".join(self.spm.encode(text, out_type=str))
+        return self.tgt_dict.encode_line(pieces, add_if_not_exist=False, append_eos=False).long()
 
     def decode(self, token_ids: torch.Tensor) -> str:
         """Target ids → text, removing sentencepiece as fairseq's --bpe sentencepiece does."""
@@ -201,7 +220,15 @@ class SpecTranslator:
             sample = dataset.collater([dataset[i] for i in indices])
             yield sample["id"].tolist(), _to_device(sample, self.device)
 
-    def _decode(self, generator, lines, batch_size: int, split: bool, progress):
+    def number_repair(self, settings: DecodingSettings) -> Callable[[str, str], str]:
+        """(source sentence, its translation) → the translation with its lost numbers put back,
+        re-decoding with the verifier and these settings' length limits where it must."""
+        redecode = ConstrainedRedecoder(self.verifier, self.tgt_dict, settings, self.encode,
+                                        self.encode_target, self.decode, self.batches)  # fmt: skip
+        return functools.partial(repair, redecode=redecode)
+
+    def _decode(self, generator, lines, batch_size: int, split: bool, progress,
+                keep_numbers: bool = True):  # fmt: skip
         single = isinstance(lines, str)
         lines = [lines] if single else lines
         if not isinstance(lines, (list, tuple)) or not all(isinstance(x, str) for x in lines):
@@ -221,12 +248,15 @@ class SpecTranslator:
             progress(remaining.count(0))  # blank lines are done already
         translations: List[str] = [""] * len(sentences)
         statistics = [{} for _ in sentences]
+        numbers = self.number_repair(generator.settings) if keep_numbers else None
         with torch.inference_mode():
             for indices, sample in self.batches(self.encode(sentences), batch_size):
                 done = 0
                 for i, hypos in zip(indices, generator.generate([self.verifier], sample)):
                     best = hypos[0]
                     translations[i] = self.decode(best["tokens"].cpu())
+                    if numbers is not None:  # (before progress: a repair may decode again)
+                        translations[i] = numbers(sentences[i], translations[i])
                     statistics[i] = {
                         "iterations": best.get("spec_iterations", 0),
                         "accepted_tokens": best.get("spec_accepted_tokens", 0),
