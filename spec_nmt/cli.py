@@ -31,7 +31,13 @@ from spec_nmt.decoding.loop import DecodingStats
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
-from spec_nmt.settings import DEFAULTS, flag_help
+from spec_nmt.settings import (
+    DEFAULTS,
+    FLAGS,
+    DecodingSettings,
+    check_sampling_settings_used,
+    flag_help,
+)
 from spec_nmt.text import tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
@@ -40,7 +46,6 @@ DEFAULT_BUFFER_SIZE = 1000
 # The decoding settings spec-nmt-translate takes as flags, with DecodingSettings' help texts.
 SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "draft_stop", "max_draft_batch",
                  "temperature", "sampling_topk", "sampling_topp", "seed")  # fmt: skip
-SAMPLING_SETTINGS = ("temperature", "sampling_topk", "sampling_topp", "seed")
 # Whether the input is text is judged on its first bytes: a NUL byte there, or more than this
 # share of its characters not UTF-8, and it is refused. German text in Latin-1 (its umlauts
 # are the only bytes that are not UTF-8) stays below it and is translated with U+FFFD.
@@ -111,14 +116,15 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.buffer_size < 1:
         raise SpecNmtError(f"--buffer-size must be >= 1, got {args.buffer_size}")
-    given = [name for name in SAMPLING_SETTINGS if getattr(args, name) is not None]
-    if given and not RULES[args.verify or DEFAULTS.verify].sampled_drafts:
-        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
-        raise SpecNmtError(
-            f"{flags} set how to sample: add --verify sampling or --verify rsd "
-            f"(--verify {args.verify or DEFAULTS.verify} translates greedily)"
-        )
+    # the settings' own checks, worded for the command line, before the models load
+    settings = DecodingSettings(**given_settings(args))
+    check_sampling_settings_used(settings.verify, given_settings(args), FLAGS)
     return args
+
+
+def given_settings(args) -> dict:
+    """The decoding settings given as flags."""
+    return {name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None}
 
 
 def open_input(path: str) -> TextIO:
@@ -286,9 +292,7 @@ def main(argv=None):
     # fairseq configures the root logger at DEBUG when imported; a translator wants warnings only.
     logging.getLogger().setLevel(logging.WARNING)
     args = parse_args(argv)
-    settings = {
-        name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None
-    }
+    settings = given_settings(args)
     stream = open_input(args.input)  # (before the models load: a wrong input fails at once)
     translator = SpecTranslator.from_pretrained(
         args.model_dir,

@@ -33,7 +33,7 @@ from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, load_drafter
-from spec_nmt.settings import DEFAULTS, DecodingSettings
+from spec_nmt.settings import DEFAULTS, KEYWORDS, DecodingSettings, check_sampling_settings_used
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from spec_nmt.text import cut_to_limit, join_pieces, join_sentences, split_sentences
 
@@ -132,6 +132,7 @@ class SpecTranslator:
         generator = self.generator(**settings)
         if RULES[generator.verify].sampled_drafts:
             raise SpecNmtError("translate() verifies greedy decoding; use sample() to sample")
+        check_sampling_settings_used(generator.verify, settings, KEYWORDS)
         return self._decode(generator, lines, batch_size, split_sentences, progress)
 
     def sample(

@@ -99,6 +99,18 @@ def test_sampling_flags_without_a_sampling_rule_are_refused(flags):
         translate_cli.parse_args([str(BUNDLED_MODEL_DIR), *flags])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--beta", "0"], "--beta must be an integer >= 1, got 0"),
+    (["--beta", "3", "--max-draft-batch", "2"], "--max-draft-batch 2 with a relaxed top-beta/tau (--beta 3)"),
+    (["--verify", "sampling", "--temperature", "0"], "--temperature must be > 0"),
+])  # fmt: skip
+def test_bad_settings_name_their_flags_before_the_models_load(flags, message):
+    """The settings' one validation, worded for the command line (the API's: test_translator)."""
+    with pytest.raises(SpecNmtError) as error:
+        translate_cli.main(["/nonexistent-model-dir", *flags])
+    assert message in str(error.value)
+
+
 def test_the_api_samples_differently_unless_seeded(translator):
     line = "Guten Morgen, wie geht es Ihnen?"
     samples = {translator.sample(line, temperature=1.5) for _ in range(4)}
