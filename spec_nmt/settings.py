@@ -102,7 +102,7 @@ class DecodingSettings:
     # (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
     block_size: int = field(default=3, metadata={"help": (
         "k: drafted tokens per iteration (tree depth for rsd); 0: no drafts, the verifier alone "
-        "on the same loop. In drafter training: the [MASK] positions per cut")})
+        "on the same loop")})
     beta: int = field(default=1, metadata={"help": (
         "top-beta rule: a draft must be among the verifier's beta best tokens (1: its best, "
         "which makes the output the verifier's greedy translation whatever --tau)")})

@@ -128,7 +128,7 @@ class SpecTranslator:
         """Translate one line (returns a string) or a list (returns a list, same order). A line
         of several sentences is split, its sentences are translated in batches with all others
         and joined again (``split_sentences=False`` sends each line as one sentence).
-        ``progress(n)`` is called whenever n more lines are done."""
+        ``progress(n)`` is called after each batch with the n lines it finished (maybe 0)."""
         generator = self.generator(**settings)
         if RULES[generator.verify].sampled_drafts:
             raise SpecNmtError("translate() verifies greedy decoding; use sample() to sample")
@@ -231,7 +231,9 @@ class SpecTranslator:
                     }
                     remaining[owner[i]] -= 1
                     done += remaining[owner[i]] == 0
-                if progress is not None and done:
+                # after every batch, even one that finished no line (the sentences of a long
+                # line): a progress bar then moves while such a line is decoded
+                if progress is not None:
                     progress(done)
         outputs = [[] for _ in lines]
         score_sums = [0.0] * len(lines)
