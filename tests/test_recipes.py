@@ -209,6 +209,21 @@ def test_make_translate_reads_stdin_at_a_terminal_too():
     assert "--stats" in make_translate("STATS=1") and "--stats" not in make_translate("STATS=0")
 
 
+def test_make_translate_passes_verify_and_seed_on():
+    for commands in (make_translate("VERIFY=sampling", "SEED=3"),
+                     make_translate("VERIFY=sampling", "SEED=3", "FAIRSEQ_OUTPUT=1")):  # fmt: skip
+        assert "--verify sampling" in commands and "--seed 3" in commands
+    assert "--verify" not in make_translate() and "--seed" not in make_translate()
+
+
+@pytest.mark.parametrize("path", PYTHON_SCRIPTS, ids=lambda p: p.name)
+def test_scripts_print_no_hints_of_fairseq_imports(path):
+    """fairseq's modules configure logging at import and log INFO hints ("Please install
+    tensorboardX"); scripts import spec_nmt first, which imports fairseq without them."""
+    result = script(path, "--help")
+    assert "tensorboardX" not in result.stderr and "INFO" not in result.stderr
+
+
 def test_the_supported_pythons_are_those_fairseq_installs_on():
     setup = ast.parse((REPO / "setup.py").read_text())
     call = next(node for node in ast.walk(setup) if isinstance(node, ast.Call)
