@@ -68,6 +68,7 @@ fairseq time from the same process.
 import argparse
 from pathlib import Path
 
+import spec_nmt  # noqa: F401  isort: skip  (first: it imports fairseq without its INFO hints)
 import torch
 from ceiling import block_cost, ceiling
 from common import beam_shape, comma_list, setting, stopped_chain

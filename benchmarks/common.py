@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import spec_nmt  # noqa: F401  isort: skip  (first: it imports fairseq without its INFO hints)
 import sacrebleu
 import torch
 from fairseq.search import Sampling

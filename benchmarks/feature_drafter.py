@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import spec_nmt  # noqa: F401  isort: skip  (first: it imports fairseq without its INFO hints)
 import torch
 from fairseq import checkpoint_utils
 from fairseq.dataclass.configs import GenerationConfig

@@ -8,6 +8,7 @@ import itertools
 import json
 import tempfile
 
+import spec_nmt  # noqa: F401  isort: skip  (first: it imports fairseq without its INFO hints)
 import torch
 from common import (
     MAX_LEN_A,

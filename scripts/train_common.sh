@@ -1,12 +1,24 @@
 # Sourced (not run) by the scripts/train_*.sh recipes: their arguments and the optimisation,
-# logging and checkpoint flags every model trains with.
-#   SCRIPT DATA_BIN SAVE_DIR [small|base] [extra fairseq-train flags]
+# logging and checkpoint flags every model trains with. A recipe sets SIZES (its model sizes,
+# the first the default) before sourcing this.
+#   SCRIPT DATA_BIN SAVE_DIR [SIZE] [extra fairseq-train flags]
 set -euo pipefail
-USAGE="usage: $0 DATA_BIN SAVE_DIR [small|base] [fairseq-train flags]"
-DATA_BIN=${1:?$USAGE}
-SAVE_DIR=${2:?$USAGE}
-SIZE=${3:-small}
+USAGE="usage: $0 DATA_BIN SAVE_DIR [$(IFS='|'; echo "${SIZES[*]}")] [fairseq-train flags]"
+case "${1:-}" in
+  -h|--help) echo "$USAGE"; exit 0 ;;
+esac
+if (( $# < 2 )); then
+  echo "$USAGE" >&2
+  exit 2
+fi
+DATA_BIN=$1
+SAVE_DIR=$2
+SIZE=${3:-${SIZES[0]}}
 EXTRA=("${@:4}")
+if [[ " ${SIZES[*]} " != *" $SIZE "* ]]; then
+  echo "$0: size must be one of ${SIZES[*]}, got $SIZE" >&2
+  exit 2
+fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 # fairseq_train FLAGS...: the shared flags, then the model's FLAGS, then the user's extra flags

@@ -8,6 +8,7 @@
 # cached_small/cached_base: the cached drafter (the verifier's encoder, frozen; a 2-layer decoder
 # with a causal prefix started from the verifier's first two; --decoder-layers 1 for one), k=10 / 25,
 # 4 cuts per sentence.
+SIZES=(small base cached_small cached_base)
 source "$(dirname "$0")/train_common.sh"
 case "$SIZE" in
   small) MODEL=(--arch spec_drafter_small --block-size 10 --cuts-per-sentence 3 --dropout 0.1
@@ -19,7 +20,5 @@ case "$SIZE" in
   cached_base)  MODEL=(--arch cached_drafter_base --block-size 25 --cuts-per-sentence 4 --dropout 0.1
                        --lr 5e-4 --warmup-updates 4000 --max-tokens 4096 --update-freq 4
                        --max-update 300000 --fp16) ;;
-  *) echo "$0: size must be small, base, cached_small or cached_base, got $SIZE" >&2
-     exit 2 ;;
 esac
 fairseq_train --task spec_translation --criterion spec_drafter_loss "${MODEL[@]}"

@@ -4,10 +4,10 @@
 # (scripts/distill.py): the verifier stays frozen inside the model.
 #   scripts/train_feature_drafter.sh DATA_BIN SAVE_DIR small --verifier-path VERIFIER.pt [flags]
 # small: pairs with the small verifier (the layer takes the verifier's sizes), 3 unrolled steps.
+SIZES=(small)
 source "$(dirname "$0")/train_common.sh"
 case "$SIZE" in
   small) MODEL=(--arch feature_drafter --unroll-steps 3 --dropout 0.1 --lr 1e-3
                 --warmup-updates 300 --max-tokens 4096 --max-update 100000) ;;
-  *) echo "$0: size must be small, got $SIZE" >&2; exit 2 ;;
 esac
 fairseq_train --task translation --criterion feature_drafter_loss "${MODEL[@]}"

@@ -16,6 +16,7 @@ draft vocabulary, so the drafter can be trained further:
 import argparse
 from pathlib import Path
 
+import spec_nmt  # noqa: F401  isort: skip  (first: it imports fairseq without its INFO hints)
 import torch
 from fairseq import checkpoint_utils
 

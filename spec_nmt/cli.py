@@ -1,4 +1,4 @@
-"""``spec-nmt-translate``: German text in, English text out, with a model directory.
+"""spec-nmt-translate: German text in, English text out, with a model directory.
 
     spec-nmt-translate data/models/bench-de-en --input news.de > news.en
     echo "Der Hund schläft. Es regnet." | spec-nmt-translate data/models/bench-de-en
@@ -7,10 +7,12 @@ One output line per input line, in input order. Lines may hold several sentences
 and joined again; --no-split-sentences turns that off). Input is read in buffers of
 --buffer-size lines; inside a buffer the sentences are sorted by length and decoded in batches of
 --batch-size, and the buffer's translations are written as soon as it is done. A progress bar
-(stderr) is shown for inputs of more than a few hundred lines, and the throughput is printed at
-the end (--stats: also whether drafting ran and how much it earned). At a terminal each typed
+(stderr) appears once decoding has taken a second, and the throughput of the decoding is printed
+at the end (--stats: also whether drafting ran and how much it earned). At a terminal each typed
 line is translated as soon as it is typed (Ctrl-D ends). Input that is not text (NUL bytes, or
-mostly bytes that are not UTF-8: a binary or compressed file) is refused.
+mostly bytes that are not UTF-8: a binary or compressed file) is refused. Input is UTF-8; input
+that is not, but reads as Latin-1 (Windows-1252), is read so with a warning (--encoding says
+which it is).
 
 A sentence whose translation lost one of its numbers is repaired (--no-number-repair: not).
 
@@ -19,13 +21,15 @@ from a fresh seed each run unless --seed gives one.
 """
 
 import argparse
+import codecs
+import contextlib
 import itertools
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
-from typing import Callable, Iterator, List, TextIO
+from typing import Callable, Iterator, List, Optional, TextIO
 
 import torch
 from tqdm import tqdm
@@ -35,22 +39,32 @@ from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
 from spec_nmt.runtime import DEFAULT_THREADS, THREADS_HELP, check_threads
-from spec_nmt.settings import DECODING_LOOPS, DEFAULTS, flag_help
+from spec_nmt.settings import (
+    DECODING_LOOPS,
+    DEFAULTS,
+    FLAGS,
+    DecodingSettings,
+    check_sampling_settings_used,
+    flag_help,
+)
 from spec_nmt.text import tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
-PROGRESS_MIN_LINES = 300
+# The progress bar shows once decoding has run this long (seconds): quick runs stay quiet, and
+# any longer one, a few lines or one long line, shows that it works.
+PROGRESS_DELAY_S = 1.0
 DEFAULT_BUFFER_SIZE = 1000
 # The decoding settings spec-nmt-translate takes as flags, with DecodingSettings' help texts.
 SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "draft_stop", "max_draft_batch",
                  "decoding_loop", "temperature", "sampling_topk", "sampling_topp",
                  "seed")  # fmt: skip
-SAMPLING_SETTINGS = ("temperature", "sampling_topk", "sampling_topp", "seed")
 # Whether the input is text is judged on its first bytes: a NUL byte there, or more than this
 # share of its characters not UTF-8, and it is refused. German text in Latin-1 (its umlauts
-# are the only bytes that are not UTF-8) stays below it and is translated with U+FFFD.
+# are the only bytes that are not UTF-8) stays below it; if none of its bytes above ASCII are
+# UTF-8, it is read as Windows-1252 (Latin-1 and the quotes „“ Windows adds), with a warning.
 TEXT_CHECK_BYTES = 8192
 MAX_NON_UTF8_SHARE = 0.1
+LATIN1 = "cp1252"
 
 
 def parse_args(argv=None):
@@ -63,6 +77,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--input", default="-", help="text file to translate (default: standard input)"
     )
+    parser.add_argument(
+        "--encoding", default=None,
+        help="the input's encoding, e.g. latin-1 (default: UTF-8, or Windows-1252 with a "
+        "warning when the input is not UTF-8 but reads as Latin-1)",
+    )  # fmt: skip
     parser.add_argument(
         "--drafter-path", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt"
     )
@@ -132,30 +151,56 @@ def parse_args(argv=None):
     if args.buffer_size < 1:
         raise SpecNmtError(f"--buffer-size must be >= 1, got {args.buffer_size}")
     check_threads(args.threads, "--threads")
-    given = [name for name in SAMPLING_SETTINGS if getattr(args, name) is not None]
-    if given and not RULES[args.verify or DEFAULTS.verify].sampled_drafts:
-        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
-        raise SpecNmtError(
-            f"{flags} set how to sample: add --verify sampling or --verify rsd "
-            f"(--verify {args.verify or DEFAULTS.verify} translates greedily)"
-        )
+    if args.encoding is not None:
+        try:
+            args.encoding = codecs.lookup(args.encoding).name
+        except LookupError:
+            raise SpecNmtError(f"--encoding {args.encoding}: no such encoding (e.g. utf-8, "
+                               "latin-1, cp1252)") from None  # fmt: skip
+    # the settings' own checks, worded for the command line, before the models load
+    settings = DecodingSettings(**given_settings(args))
+    check_sampling_settings_used(settings.verify, given_settings(args), FLAGS)
     return args
 
 
-def open_input(path: str) -> TextIO:
-    """The input as text lines: invalid UTF-8 becomes U+FFFD and only a newline ends a line, so
-    N lines in always means N lines out. Input that is not text is refused."""
+def given_settings(args) -> dict:
+    """The decoding settings given as flags."""
+    return {name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None}
+
+
+def open_input(path: str, encoding: Optional[str] = None) -> TextIO:
+    """The input as text lines: undecodable bytes become U+FFFD and only a newline ends a line,
+    so N lines in always means N lines out. Without an ``encoding``, input that is not text is
+    refused and German that is not UTF-8 but Latin-1 is read as such, with a warning."""
+    name = "stdin" if path == "-" else path
     if path == "-":
-        if not sys.stdin.isatty():  # (typed lines are text; peeking would wait for them)
-            refuse_non_text(sys.stdin.buffer.peek(TEXT_CHECK_BYTES)[:TEXT_CHECK_BYTES], "stdin")
-        tolerant_stdin()
+        # (typed lines are text; peeking would wait for them)
+        if encoding is None and not sys.stdin.isatty():
+            encoding = input_encoding(sys.stdin.buffer.peek(TEXT_CHECK_BYTES)[:TEXT_CHECK_BYTES],
+                                      name)  # fmt: skip
+        tolerant_stdin(encoding)
         return sys.stdin
     try:
-        with open(path, "rb") as raw:
-            refuse_non_text(raw.read(TEXT_CHECK_BYTES), path)
-        return open(path, encoding="utf-8", errors="replace", newline="\n")
+        if encoding is None:
+            with open(path, "rb") as raw:
+                encoding = input_encoding(raw.read(TEXT_CHECK_BYTES), name)
+        return open(path, encoding=encoding, errors="replace", newline="\n")
     except OSError as error:
         raise SpecNmtError(f"--input {path}: {error.strerror}") from error
+
+
+def input_encoding(head: bytes, name: str) -> str:
+    """UTF-8, or Latin-1 (as Windows-1252) when the input's first bytes above ASCII are none of
+    them UTF-8 (with a warning); input that is not text is refused. UTF-8 text with a few bad
+    bytes stays UTF-8: its umlauts would be garbled as Latin-1."""
+    refuse_non_text(head, name)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text = decoder.decode(head, final=False)  # (a character cut at the end is no error)
+    if "\ufffd" not in text or any(ord(ch) > 127 and ch != "\ufffd" for ch in text):
+        return "utf-8"
+    print(f"spec-nmt-translate warning: {name} is not UTF-8; reading it as Latin-1 "
+          "(Windows-1252); --encoding ENCODING names its encoding", file=sys.stderr)  # fmt: skip
+    return LATIN1
 
 
 def refuse_non_text(head: bytes, name: str) -> None:
@@ -195,6 +240,16 @@ class Totals:
     output_tokens: int = 0
     score_sum: float = 0.0  # of the sentences' scores
     decoding: DecodingStats = field(default_factory=DecodingStats)
+    # spent decoding: not reading (a user typing at a terminal), writing or loading
+    seconds: float = 0.0
+
+    @contextlib.contextmanager
+    def timed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def add(self, translator: SpecTranslator, lines: int) -> None:
         self.lines += lines
@@ -228,18 +283,18 @@ def translate_stream(translator, stream: TextIO, args, totals: Totals) -> None:
             total = sum(1 for _ in handle)
     else:
         total = None
-    show = not args.quiet and (total is None or total > PROGRESS_MIN_LINES)
     decode = decoder(translator)
-    with tqdm(total=total, unit="line", disable=not show, file=sys.stderr,
-              dynamic_ncols=True) as bar:  # fmt: skip
+    with tqdm(total=total, unit="line", disable=args.quiet, file=sys.stderr,
+              dynamic_ncols=True, delay=PROGRESS_DELAY_S) as bar:  # fmt: skip
         for buffer in itertools.chain([first], chunks):
-            translations = decode(
-                buffer,
-                batch_size=args.batch_size,
-                split_sentences=not args.no_split_sentences,
-                progress=bar.update,
-                keep_numbers=not args.no_number_repair,
-            )
+            with totals.timed():
+                translations = decode(
+                    buffer,
+                    batch_size=args.batch_size,
+                    split_sentences=not args.no_split_sentences,
+                    progress=bar.update,
+                    keep_numbers=not args.no_number_repair,
+                )
             sys.stdout.write("".join(t + "\n" for t in translations))
             sys.stdout.flush()
             totals.add(translator, len(buffer))
@@ -252,8 +307,10 @@ def translate_typed_lines(translator, args, totals: Totals) -> None:
               file=sys.stderr, flush=True)  # fmt: skip
     decode = decoder(translator)
     for line in sys.stdin:
-        print(decode(line.rstrip("\n"), split_sentences=not args.no_split_sentences,
-                     keep_numbers=not args.no_number_repair), flush=True)  # fmt: skip
+        with totals.timed():
+            translation = decode(line.rstrip("\n"), split_sentences=not args.no_split_sentences,
+                                 keep_numbers=not args.no_number_repair)  # fmt: skip
+        print(translation, flush=True)
         totals.add(translator, 1)
 
 
@@ -275,9 +332,9 @@ def drafting_report(settings, stats: DecodingStats) -> str:
     return f"drafting on: --verify {settings.verify}, --block-size {settings.block_size}"
 
 
-def report(translator, totals: Totals, seconds: float, args) -> None:
-    """The throughput line, and with --stats what drafting did (stderr)."""
-    seconds = max(seconds, 1e-9)
+def report(translator, totals: Totals, args) -> None:
+    """The throughput of the decoding, and with --stats what drafting did (stderr)."""
+    seconds = max(totals.seconds, 1e-9)
     speed = (
         f"{totals.sentences / seconds:.1f} sentences/s, {totals.output_tokens / seconds:.0f} "
         "tokens/s"
@@ -286,7 +343,7 @@ def report(translator, totals: Totals, seconds: float, args) -> None:
         print(
             f"spec-nmt-translate: {counted(totals.lines, 'line')}, "
             f"{counted(totals.sentences, 'sentence')}, {totals.output_tokens} target tokens in "
-            f"{seconds:.1f} s: {speed}",
+            f"{seconds:.1f} s of decoding: {speed}",
             file=sys.stderr,
         )
     if not args.stats:
@@ -305,14 +362,35 @@ def report(translator, totals: Totals, seconds: float, args) -> None:
         print(f"spec-nmt-translate stats: {line}", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def one_line_warnings():
+    """spec_nmt's warnings (a line cut to the models' length ...) as this command's other lines
+    read, one line each, instead of in the format of whatever configured logging first."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("spec-nmt-translate warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    package = logging.getLogger("spec_nmt")
+    package.addHandler(handler)
+    package.propagate = False
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+        package.propagate = True
+
+
 def main(argv=None):
     # fairseq configures the root logger at DEBUG when imported; a translator wants warnings only.
     logging.getLogger().setLevel(logging.WARNING)
     args = parse_args(argv)
-    settings = {
-        name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None
-    }
-    stream = open_input(args.input)  # (before the models load: a wrong input fails at once)
+    with one_line_warnings():
+        run(args)
+
+
+def run(args) -> None:
+    settings = given_settings(args)
+    # (before the models load: a wrong input fails at once)
+    stream = open_input(args.input, args.encoding)
     translator = SpecTranslator.from_pretrained(
         args.model_dir,
         drafter_path=args.drafter_path,
@@ -322,7 +400,6 @@ def main(argv=None):
         **settings,
     )
     totals = Totals()
-    start = time.perf_counter()
     try:
         if stream is sys.stdin and stream.isatty():
             translate_typed_lines(translator, args, totals)
@@ -334,7 +411,7 @@ def main(argv=None):
     finally:
         if stream is not sys.stdin:
             stream.close()
-    report(translator, totals, time.perf_counter() - start, args)
+    report(translator, totals, args)
 
 
 if __name__ == "__main__":

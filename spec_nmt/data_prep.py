@@ -8,6 +8,8 @@ over a binarized split for distillation and for ``scripts/finish_verifier.py``.
 
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,9 +42,25 @@ def check_raw_dir(raw_dir, src, tgt, splits=SPLITS):
 
 
 def train_sentencepiece(train_files, model_prefix, vocab_size, max_sentences=2_000_000):
-    """One unigram model over both languages, so source and target share a dictionary."""
+    """One unigram model over both languages, so source and target share a dictionary. A
+    vocabulary the text cannot fill is a one-line error."""
     import sentencepiece as spm
 
+    try:
+        _train_unigram(spm, train_files, model_prefix, vocab_size, max_sentences)
+    except RuntimeError as error:
+        most = re.search(r"Vocabulary size too high.*<= (\d+)", str(error))
+        if most is None:
+            raise
+        raise SpecNmtError(
+            f"--vocab-size {vocab_size} is more than sentencepiece can make of this training "
+            f"text (at most {most.group(1)} pieces): give --vocab-size {most.group(1)} or less, "
+            "or more text"
+        ) from None
+    return Path(f"{model_prefix}.model")
+
+
+def _train_unigram(spm, train_files, model_prefix, vocab_size, max_sentences):
     spm.SentencePieceTrainer.train(
         input=",".join(str(f) for f in train_files),
         model_prefix=str(model_prefix),
@@ -59,7 +77,6 @@ def train_sentencepiece(train_files, model_prefix, vocab_size, max_sentences=2_0
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
     )
-    return Path(f"{model_prefix}.model")
 
 
 def encode_file(sp, in_path, out_path):
@@ -150,16 +167,35 @@ VOCAB_SIZE, MAX_PIECES, MAX_RATIO = 8000, 250, 1.5
 
 def prepare(raw_dir, out_dir, src="de", tgt="en", vocab_size=VOCAB_SIZE, max_len=MAX_PIECES,
             max_ratio=MAX_RATIO):  # fmt: skip
-    """raw_dir/{train,valid,test}.{src,tgt} -> out_dir/{spm.model, spm/*, bin/}."""
-    import sentencepiece as spm
-
+    """raw_dir/{train,valid,test}.{src,tgt} -> out_dir/{spm.model, spm/*, bin/}. A run that
+    stops with an error removes what it wrote, so a rerun never finds half an output."""
     check_raw_dir(raw_dir, src, tgt)
     out_dir = Path(out_dir)
-    spm_dir = out_dir / "spm"
-    spm_dir.mkdir(parents=True, exist_ok=True)
+    outputs = [out_dir] if not out_dir.exists() else [
+        out_dir / name for name in (f"{SPM_PREFIX}.model", f"{SPM_PREFIX}.vocab", "spm", "bin")
+        if not (out_dir / name).exists()
+    ]  # fmt: skip
+    try:
+        return _prepare(raw_dir, out_dir, src, tgt, vocab_size, max_len, max_ratio)
+    except BaseException:
+        for path in outputs:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        raise
+
+
+def _prepare(raw_dir, out_dir, src, tgt, vocab_size, max_len, max_ratio):
+    import sentencepiece as spm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # sentencepiece first: it refuses a vocabulary too large for the text before spm/ exists
     model = train_sentencepiece(
         [Path(raw_dir) / f"train.{lang}" for lang in (src, tgt)], out_dir / SPM_PREFIX, vocab_size
     )
+    spm_dir = out_dir / "spm"
+    spm_dir.mkdir(exist_ok=True)
     sp = spm.SentencePieceProcessor(model_file=str(model))
     for split in SPLITS:
         for lang in (src, tgt):

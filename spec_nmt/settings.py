@@ -8,10 +8,47 @@ import dataclasses
 import functools
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
-from spec_nmt.decoding.rules import RULES, check_sampling_params, check_top_beta_params
+from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
+
+
+@dataclass(frozen=True)
+class Caller:
+    """How a caller names settings in a message: flags on a command line, keywords in Python.
+    ``samples_with`` is how it asks for samples instead of a greedy translation."""
+
+    name: Callable[..., str]  # (setting, value=None) -> the setting (with the value) as given
+    samples_with: str
+
+
+def _flag(setting: str, *value) -> str:
+    return " ".join([f"--{setting.replace('_', '-')}", *map(str, value)])
+
+
+def _keyword(setting: str, *value) -> str:
+    return f"{setting}={value[0]!r}" if value else setting
+
+
+FLAGS = Caller(_flag, "add --verify sampling or --verify rsd")
+KEYWORDS = Caller(_keyword, "call sample() instead of translate()")
+
+
+class SettingError(SpecNmtError):
+    """A bad setting, worded for whoever gave it: ``message(caller)`` writes the one line. Its
+    text names flags (the command lines print it as it is); ``for_caller(KEYWORDS)`` gives the
+    same error for the Python API, naming keywords."""
+
+    def __init__(self, message: Callable[[Caller], str], caller: Caller = FLAGS):
+        super().__init__(message(caller))
+        self.message = message
+
+    def for_caller(self, caller: Caller) -> "SettingError":
+        return SettingError(self.message, caller)
+
+    def __reduce__(self):  # (the message function does not pickle; its text does)
+        return SpecNmtError, (str(self),)
 
 
 @dataclass(frozen=True)
@@ -65,7 +102,7 @@ class DecodingSettings:
     # (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
     block_size: int = field(default=3, metadata={"help": (
         "k: drafted tokens per iteration (tree depth for rsd); 0: no drafts, the verifier alone "
-        "on the same loop. In drafter training: the [MASK] positions per cut")})
+        "on the same loop")})
     beta: int = field(default=1, metadata={"help": (
         "top-beta rule: a draft must be among the verifier's beta best tokens (1: its best, "
         "which makes the output the verifier's greedy translation whatever --tau)")})
@@ -124,23 +161,43 @@ class DecodingSettings:
     unnormalized: bool = False
 
     def __post_init__(self):
+        # Every check of a setting is here, once; each message names settings through ``n``,
+        # so that each caller reads its own names (SettingError).
         if self.verify not in RULES:
-            raise SpecNmtError(f"--verify must be one of {', '.join(RULES)}, got {self.verify!r}")
+            raise SettingError(lambda n: f"{n.name('verify')} must be one of "
+                               f"{', '.join(RULES)}, got {self.verify!r}")  # fmt: skip
         if int(self.block_size) != self.block_size or self.block_size < 0:
-            raise SpecNmtError(
-                f"--block-size must be an integer >= 0 (0: no drafts), got {self.block_size}"
+            raise SettingError(lambda n: f"{n.name('block_size')} must be an integer >= 0 "
+                               f"(0: no drafts), got {self.block_size}")  # fmt: skip
+        if int(self.beta) != self.beta or self.beta < 1:
+            raise SettingError(
+                lambda n: f"{n.name('beta')} must be an integer >= 1, got {self.beta}"
             )
-        check_top_beta_params(self.beta, self.tau)
+        if not self.tau >= 0:  # (also refuses NaN)
+            raise SettingError(lambda n: f"{n.name('tau')} must be >= 0, got {self.tau}")
         if self.decoding_loop not in DECODING_LOOPS:
-            raise SpecNmtError(f"--decoding-loop must be one of {', '.join(DECODING_LOOPS)}, "
-                               f"got {self.decoding_loop!r}")
+            raise SettingError(lambda n: f"{n.name('decoding_loop')} must be one of "
+                               f"{', '.join(DECODING_LOOPS)}, got {self.decoding_loop!r}")
         if not 0 <= self.draft_stop < 1:
-            raise SpecNmtError(
-                f"--draft-stop must be in [0, 1) (0: no stop), got {self.draft_stop}"
-            )
+            raise SettingError(lambda n: f"{n.name('draft_stop')} must be in [0, 1) (0: no "
+                               f"stop), got {self.draft_stop}")  # fmt: skip
         self._check_max_draft_batch()
-        check_sampling_params(self.temperature, self.sampling_topk, self.sampling_topp)
+        self._check_sampling()
         self.draft_plan  # noqa: B018  (refuses tree flags that make no shape)
+
+    def _check_sampling(self) -> None:
+        """Refuse sampling settings no distribution can be made from."""
+        if not self.temperature > 0:
+            raise SettingError(lambda n: f"{n.name('temperature')} must be > 0, "
+                               f"got {self.temperature}")  # fmt: skip
+        topk = self.sampling_topk
+        if int(topk) != topk or (topk < 1 and topk != -1):
+            raise SettingError(lambda n: f"{n.name('sampling_topk')} must be a positive "
+                               f"integer (or -1 for all), got {topk}")  # fmt: skip
+        topp = self.sampling_topp
+        if topp != -1.0 and not 0 < topp <= 1:
+            raise SettingError(lambda n: f"{n.name('sampling_topp')} must be in (0, 1] "
+                               f"(or -1 for all), got {topp}")  # fmt: skip
 
     @property
     def relaxed(self) -> bool:
@@ -161,40 +218,46 @@ class DecodingSettings:
         if limit is None:
             return
         if int(limit) != limit or limit < 0:
-            raise SpecNmtError(
-                f"--max-draft-batch must be an integer >= 0 (0: draft in batches of any size), "
-                f"got {limit}"
-            )
+            raise SettingError(lambda n: f"{n.name('max_draft_batch')} must be an integer >= 0 "
+                               f"(0: draft in batches of any size), got {limit}")  # fmt: skip
         if limit and self.relaxed:
-            raise SpecNmtError(
-                f"--max-draft-batch {limit} with a relaxed top-beta/tau (--beta {self.beta}) "
-                "would make a sentence's translation depend on its batch "
-                "(the drafts decide it): use 0 (draft in every batch) or the lossless rule"
+            raise SettingError(
+                lambda n: f"{n.name('max_draft_batch', limit)} with a relaxed top-beta/tau "
+                f"({n.name('beta', self.beta)}) would make a sentence's translation depend on "
+                "its batch (the drafts decide it): use 0 (draft in every batch) or the lossless "
+                "rule"
             )
 
     @functools.cached_property  # (the rules ask it every iteration)
     def draft_plan(self) -> DraftPlan:
         """The drafts' shape; one-line errors for combinations that make no sense."""
         rule = RULES[self.verify]
+        trees = "({}, {}, {})".format  # the settings that make a draft tree
         if not rule.trees and (self.tree_branching or self.tree_budget):
-            raise SpecNmtError(
-                f"--verify {self.verify} drafts a chain: --tree-branching and --tree-budget "
-                "need --verify top_beta or rsd"
+            raise SettingError(
+                lambda n: f"{n.name('verify', self.verify)} drafts a chain: "
+                f"{n.name('tree_branching')} and {n.name('tree_budget')} need "
+                f"{n.name('verify', 'top_beta')} or {n.name('verify', 'rsd')}"
             )
         if self.tree_branching and self.tree_budget:
-            raise SpecNmtError(
-                "a draft tree takes one of --tree-branching (children per node at each depth, "
-                "e.g. 3,2,2,1) and --tree-budget (nodes per iteration, beam search), not both"
+            raise SettingError(
+                lambda n: f"a draft tree takes one of {n.name('tree_branching')} (children per "
+                f"node at each depth, e.g. 3,2,2,1) and {n.name('tree_budget')} (nodes per "
+                "iteration, beam search), not both"
             )
         branches = bool(self.tree_branching or self.tree_budget or rule.default_branching)
         if self.block_size == 0 and branches:
-            raise SpecNmtError(
-                "--block-size 0 (no drafts) decodes with the verifier alone: it takes no draft "
-                "tree (--verify rsd, --tree-branching, --tree-budget)"
+            raise SettingError(
+                lambda n: f"{n.name('block_size', 0)} (no drafts) decodes with the verifier "
+                "alone: it takes no draft tree " + trees(
+                    n.name('verify', 'rsd'), n.name('tree_branching'), n.name('tree_budget'))
             )
         if branches and self.draft_stop:
-            raise SpecNmtError("--draft-stop ends chains of drafts: it takes no draft tree "
-                               "(--verify rsd, --tree-branching, --tree-budget)")
+            raise SettingError(
+                lambda n: f"{n.name('draft_stop')} ends chains of drafts: it takes no draft "
+                "tree " + trees(
+                    n.name('verify', 'rsd'), n.name('tree_branching'), n.name('tree_budget'))
+            )
         if not branches:
             return DraftPlan.chain(self.block_size, rule.sampled_drafts, self.draft_stop)
         if not self.tree_budget:
@@ -204,27 +267,33 @@ class DecodingSettings:
             except ValueError:
                 branching = ()
             if not branching or min(branching) < 1:
-                raise SpecNmtError(
-                    "--tree-branching must be comma-separated positive integers (children per "
-                    f"node at each depth, e.g. 3,2,2,1), got {self.tree_branching!r}"
+                raise SettingError(
+                    lambda n: f"{n.name('tree_branching')} must be comma-separated positive "
+                    f"integers (children per node at each depth, e.g. 3,2,2,1), got "
+                    f"{self.tree_branching!r}"
                 )
             return DraftPlan(branching=branching, sample=rule.sampled_drafts)
         width = self.tree_budget // self.block_size
         if width < 1:
-            raise SpecNmtError(
-                f"--tree-budget {self.tree_budget} is smaller than --block-size {self.block_size}: "
-                "the beam needs at least one node per level"
+            raise SettingError(
+                lambda n: f"{n.name('tree_budget', self.tree_budget)} is smaller than "
+                f"{n.name('block_size', self.block_size)}: the beam needs at least one node per "
+                "level"
             )
         return DraftPlan(beam_width=width, beam_depth=self.block_size, sample=rule.sampled_drafts)
 
     def replace(self, **changes) -> "DecodingSettings":
-        """A copy with ``changes``; an unknown name is a one-line error listing the known ones."""
+        """A copy with ``changes``, the Python API's way to set them: an error names keywords,
+        and an unknown name is a one-line error listing the known ones."""
         unknown = set(changes) - set(names())
         if unknown:
             raise SpecNmtError(
                 f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(names())}"
             )
-        return dataclasses.replace(self, **changes)
+        try:
+            return dataclasses.replace(self, **changes)
+        except SettingError as error:
+            raise error.for_caller(KEYWORDS) from None
 
     @classmethod
     def from_fairseq(cls, cfg, args, seed: int) -> "DecodingSettings":
@@ -275,6 +344,23 @@ REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
 RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
                  "draft_stop", "max_draft_batch", "decoding_loop")  # fmt: skip
 GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))
+
+
+# The settings only the sampling rules use (and what fairseq's --sampling reads)
+SAMPLING_SETTINGS = ("temperature", "sampling_topk", "sampling_topp", "seed")
+
+
+def check_sampling_settings_used(verify: str, given: Iterable[str], caller: Caller) -> None:
+    """Refuse sampling settings given for a run or call that decodes greedily: they would be
+    ignored, and a user who gives them meant to sample."""
+    given = [name for name in SAMPLING_SETTINGS if name in given]
+    if given and not RULES[verify].sampled_drafts:
+        raise SettingError(
+            lambda n: f"{', '.join(map(n.name, given))} {'sets' if len(given) == 1 else 'set'} "
+            "how to sample: "
+            f"{n.samples_with} ({n.name('verify', verify)} translates greedily)",
+            caller,
+        )
 
 
 def _beam_given_on_command_line() -> bool:

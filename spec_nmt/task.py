@@ -102,6 +102,11 @@ class SpecTranslationBaseConfig(TranslationConfig):
     )
 
 
+# What a decoding option also means when this task trains a drafter (DecodingSettings' help
+# texts are about decoding: spec-nmt-translate shows them too)
+TRAINING_HELP = {"block_size": "In drafter training: the [MASK] positions per cut"}
+
+
 def _decoding_options():
     """The rule's options as config fields, with DecodingSettings' defaults and help texts."""
     options = []
@@ -109,8 +114,10 @@ def _decoding_options():
         if setting.name in RULE_SETTINGS:
             kind = {"verify": VERIFY_CHOICES, "decoding_loop": LOOP_CHOICES}.get(setting.name,
                                                                                setting.type)
+            text = ". ".join(filter(None, [setting.metadata["help"],
+                                           TRAINING_HELP.get(setting.name)]))  # fmt: skip
             options.append((setting.name, kind, field(default=setting.default,
-                                                      metadata=setting.metadata)))  # fmt: skip
+                                                      metadata={"help": text})))  # fmt: skip
     return options
 
 
@@ -227,6 +234,9 @@ class SpecTranslationTask(TranslationTask):
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
         check_generation_args(args, len(models), self.cfg.verify)
+        # Speculative decoding keeps one hypothesis, greedy or sampled, whatever fairseq's
+        # default --beam 5 says; fairseq-generate prints this value ("Generate test with beam=").
+        args.beam = 1
         tolerant_stdin()
         drafter = load_drafter(self, self.cfg.drafter_path, models[0])
         # fairseq-generate/-interactive seed torch with --seed just before this call

@@ -41,7 +41,7 @@ from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, load_drafter
 from spec_nmt.number_repair import ConstrainedRedecoder, repair
 from spec_nmt.runtime import DEFAULT_THREADS, use_threads
-from spec_nmt.settings import DEFAULTS, DecodingSettings
+from spec_nmt.settings import DEFAULTS, KEYWORDS, DecodingSettings, check_sampling_settings_used
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from spec_nmt.text import cut_to_limit, join_pieces, join_sentences, split_sentences
 
@@ -141,13 +141,14 @@ class SpecTranslator:
         """Translate one line (returns a string) or a list (returns a list, same order). A line
         of several sentences is split, its sentences are translated in batches with all others
         and joined again (``split_sentences=False`` sends each line as one sentence).
-        ``progress(n)`` is called whenever n more lines are done. ``keep_numbers``: a sentence
-        whose translation lost a number of its source gets it back (spec_nmt/number_repair.py);
-        lossless output is the verifier's greedy output before that repair, and ``False``
-        returns it as it is."""
+        ``progress(n)`` is called after each batch with the n lines it finished (maybe 0).
+        ``keep_numbers``: a sentence whose translation lost a number of its source gets it back
+        (spec_nmt/number_repair.py); lossless output is the verifier's greedy output before
+        that repair, and ``False`` returns it as it is."""
         generator = self.generator(**settings)
         if RULES[generator.verify].sampled_drafts:
             raise SpecNmtError("translate() verifies greedy decoding; use sample() to sample")
+        check_sampling_settings_used(generator.verify, settings, KEYWORDS)
         return self._decode(generator, lines, batch_size, split_sentences, progress, keep_numbers)
 
     def sample(
@@ -265,7 +266,9 @@ class SpecTranslator:
                     }
                     remaining[owner[i]] -= 1
                     done += remaining[owner[i]] == 0
-                if progress is not None and done:
+                # after every batch, even one that finished no line (the sentences of a long
+                # line): a progress bar then moves while such a line is decoded
+                if progress is not None:
                     progress(done)
         outputs = [[] for _ in lines]
         score_sums = [0.0] * len(lines)

@@ -77,6 +77,9 @@ def test_help_shows_defaults_units_and_every_mode(capsys):
     assert f"(default: {DEFAULTS.block_size})" in text
     assert "in nats" in text.split("--tau TAU")[-1].split("--max-draft-batch")[0]
     assert "mean score (the verifier's log- probability per output token" in text
+    assert "`" not in text  # no reStructuredText markup
+    block_size = text.split("--block-size BLOCK_SIZE")[-1].split("--beta")[0]
+    assert "drafted tokens per iteration" in block_size and "training" not in block_size
 
 
 def test_the_cli_samples_differently_unless_seeded(capsys, tmp_path):
@@ -97,6 +100,18 @@ def test_the_cli_samples_differently_unless_seeded(capsys, tmp_path):
 def test_sampling_flags_without_a_sampling_rule_are_refused(flags):
     with pytest.raises(SpecNmtError, match="add --verify sampling or --verify rsd"):
         translate_cli.parse_args([str(BUNDLED_MODEL_DIR), *flags])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--beta", "0"], "--beta must be an integer >= 1, got 0"),
+    (["--beta", "3", "--max-draft-batch", "2"], "--max-draft-batch 2 with a relaxed top-beta/tau (--beta 3)"),
+    (["--verify", "sampling", "--temperature", "0"], "--temperature must be > 0"),
+])  # fmt: skip
+def test_bad_settings_name_their_flags_before_the_models_load(flags, message):
+    """The settings' one validation, worded for the command line (the API's: test_translator)."""
+    with pytest.raises(SpecNmtError) as error:
+        translate_cli.main(["/nonexistent-model-dir", *flags])
+    assert message in str(error.value)
 
 
 def test_the_api_samples_differently_unless_seeded(translator):
@@ -193,3 +208,124 @@ def test_the_verifier_given_as_drafter_is_refused(tmp_path):
             BUNDLED_MODEL_DIR, drafter_path=BUNDLED_MODEL_DIR / "verifier.pt", device="cpu"
         )
     assert "is the verifier itself" in str(error.value) and "\n" not in str(error.value)
+
+
+# ----- issue 58, point 6: what a new user met on first contact ----------------------------------
+def test_the_progress_bar_shows_for_a_few_lines_once_decoding_takes_long(capsys, tmp_path,
+                                                                          monkeypatch):  # fmt: skip
+    """The bar is time-based, not gated by a line count (a 50-line file sat silent for 10 s):
+    with the delay at 0 it shows for 3 lines."""
+    path = tmp_path / "in.de"
+    path.write_text("\n".join(LINES) + "\n")
+    monkeypatch.setattr(translate_cli, "PROGRESS_DELAY_S", 0)
+    out, err = run_main(capsys, "--input", path)
+    assert len(out) == len(LINES) and "3/3" in err
+    _, err = run_main(capsys, "--input", path, "--quiet")
+    assert "3/3" not in err
+
+
+def test_progress_is_reported_after_every_batch_of_a_long_line(translator):
+    """A long line's sentences are decoded in several batches: progress is called after each
+    (finishing no line until the last), so a bar moves while the line is decoded."""
+    calls = []
+    line = "Guten Morgen. Das Haus ist groß. Wie geht es dir heute?"
+    translator.translate(line, batch_size=1, progress=calls.append)
+    assert calls == [0, 0, 1]
+
+
+def test_a_cut_line_is_reported_in_the_commands_one_line_style(capsys, tmp_path, monkeypatch):
+    from spec_nmt.task import SpecTranslationTask
+
+    # the models take 8 source tokens here, so a short line is cut (no 1,000-token decoding)
+    monkeypatch.setattr(SpecTranslationTask, "source_token_limit", lambda *args: 8)
+    path = tmp_path / "in.de"
+    path.write_text("Die Regierung hat am Dienstag ein neues Gesetz für die Schulen beschlossen.\n")
+    out, err = run_main(capsys, "--input", path, "--quiet")
+    assert len(out) == 1 and out[0]
+    assert re.search(r"^spec-nmt-translate warning: input line of \d+ tokens is longer than the "
+                     r"models accept; translating its first 7 tokens$", err, re.M), err
+    assert "WARNING" not in err
+
+
+class TypedLines:
+    """stdin at a terminal, a user taking 100 s to type each line (on a fake clock)."""
+
+    def __init__(self, clock, lines):
+        self.clock, self.lines = clock, lines
+
+    def __iter__(self):
+        for line in self.lines:
+            self.clock.now += 100.0
+            yield line + "\n"
+
+
+class FakeClock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class OneSecondTranslator:
+    """Translates each line in 1 s of the fake clock, 1 sentence and 4 tokens per line."""
+
+    settings = DEFAULTS
+    statistics = [{"sentences": 1, "output_tokens": 4, "score": -0.5}]
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.decoding_stats = translate_cli.DecodingStats()
+
+    def translate(self, line, split_sentences=True):
+        self.clock.now += 1.0
+        return line.upper()
+
+
+def test_the_closing_summary_counts_decoding_time_not_typing_time(capsys, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(translate_cli.time, "perf_counter", clock)
+    monkeypatch.setattr(sys, "stdin", TypedLines(clock, ["eins", "zwei"]))
+    args = translate_cli.parse_args([str(BUNDLED_MODEL_DIR), "--quiet"])
+    translator, totals = OneSecondTranslator(clock), translate_cli.Totals()
+    translate_cli.translate_typed_lines(translator, args, totals)
+    args.quiet = False
+    translate_cli.report(translator, totals, args)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["EINS", "ZWEI"]
+    assert "8 target tokens in 2.0 s of decoding: 1.0 sentences/s, 4 tokens/s" in err
+
+
+GERMAN_WITH_UMLAUTS = "Die Ärztin hat heute früh über die Straße gesprochen.\n"
+
+
+def test_latin1_input_is_read_as_latin1_with_a_warning(capsys, tmp_path):
+    """German saved in Latin-1 was translated as if its umlauts were noise ("Ärztin" became
+    "rubber"): it is read as Latin-1, as the same text in UTF-8 is read."""
+    utf8, latin1 = tmp_path / "utf8.de", tmp_path / "latin1.de"
+    utf8.write_text(GERMAN_WITH_UMLAUTS, encoding="utf-8")
+    latin1.write_text(GERMAN_WITH_UMLAUTS, encoding="latin-1")
+    expected, err = run_main(capsys, "--input", utf8, "--quiet")
+    assert "warning" not in err
+    out, err = run_main(capsys, "--input", latin1, "--quiet")
+    assert out == expected
+    assert err.splitlines() == [
+        f"spec-nmt-translate warning: {latin1} is not UTF-8; reading it as Latin-1 "
+        "(Windows-1252); --encoding ENCODING names its encoding"
+    ]
+    out, err = run_main(capsys, "--input", latin1, "--quiet", "--encoding", "latin-1")
+    assert out == expected and err == ""
+    result = cli("--quiet", stdin=GERMAN_WITH_UMLAUTS.encode("latin-1"))  # stdin too
+    assert result.stdout.decode().splitlines() == expected
+    assert b"stdin is not UTF-8; reading it as Latin-1" in result.stderr
+
+
+def test_utf8_with_a_stray_byte_stays_utf8(capsys, tmp_path):
+    path = tmp_path / "in.de"
+    path.write_bytes(GERMAN_WITH_UMLAUTS.encode() + b"Das Haus \xff ist gro\xc3\x9f.\n")
+    out, err = run_main(capsys, "--input", path, "--quiet")
+    assert len(out) == 2 and "Latin-1" not in err
+
+
+def test_an_unknown_encoding_is_one_line():
+    with pytest.raises(SpecNmtError, match=r"^--encoding klingon: no such encoding"):
+        translate_cli.parse_args([str(BUNDLED_MODEL_DIR), "--encoding", "klingon"])

@@ -95,6 +95,65 @@ def test_train_verifier_keeps_the_checkpoints_finish_verifier_averages(tmp_path)
     assert kept[-1] >= int(averaged.group(1))  # fairseq keeps the last value given
 
 
+TRAINING_SCRIPTS = ["train_verifier.sh", "train_drafter.sh", "train_ar_drafter.sh",
+                    "train_feature_drafter.sh"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", TRAINING_SCRIPTS)
+def test_training_scripts_answer_no_arguments_and_help_with_their_usage_line(name, tmp_path):
+    # a stand-in fairseq-train that leaves a trace: neither call may start a training run
+    bin_dir = tmp_path / "stand-in"
+    bin_dir.mkdir()
+    (bin_dir / "fairseq-train").write_text(f"#!/bin/bash\ntouch {tmp_path}/trained\n")
+    (bin_dir / "fairseq-train").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    def run(*args):
+        return subprocess.run([f"scripts/{name}", *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+
+    # the sizes are the presets the script's case handles, the first the default
+    text = (REPO / "scripts" / name).read_text()
+    presets = re.findall(r"^  (\w+)\)\s+MODEL=", text, re.M)
+    usage = f"usage: scripts/{name} DATA_BIN SAVE_DIR [{'|'.join(presets)}] [fairseq-train flags]"
+    bare = run()
+    assert bare.returncode == 2 and bare.stdout == "" and bare.stderr == usage + "\n"
+    for flag in ("--help", "-h"):
+        helped = run(flag)
+        assert helped.returncode == 0 and helped.stdout == usage + "\n" and helped.stderr == ""
+    wrong = run(tmp_path, tmp_path / "save", "huge")
+    assert wrong.returncode == 2
+    assert wrong.stderr == f"scripts/{name}: size must be one of {' '.join(presets)}, got huge\n"
+    assert not (tmp_path / "trained").exists()
+
+
+def test_the_drafter_sizes_the_readme_uses_are_the_scripts():
+    readme = (REPO / "README.md").read_text()
+    used = set(re.findall(r"scripts/train_drafter\.sh \S+ \S+ (\w+)", readme))
+    usage = subprocess.run(["scripts/train_drafter.sh", "--help"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60).stdout  # fmt: skip
+    sizes = re.search(r"SAVE_DIR \[(.*?)\]", usage).group(1).split("|")
+    assert used and used <= set(sizes), (used, sizes)
+
+
+def test_prepare_data_refuses_a_vocabulary_too_large_with_one_line_and_writes_nothing(tmp_path):
+    raw = write_corpus(tmp_path / "raw", n_train=20, n_valid=3, n_test=3)
+    out = tmp_path / "data"
+    result = script(REPO / "scripts" / "prepare_data.py", raw, out, "--vocab-size", 8000,
+                    check=False)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()
+    assert len(last) == 1, result.stderr
+    assert re.fullmatch(r"spec_nmt error: --vocab-size 8000 is more than sentencepiece can make "
+                        r"of this training text \(at most (\d+) pieces\): give --vocab-size \1 "
+                        r"or less, or more text", last[0])  # fmt: skip
+    assert not out.exists()
+    out.mkdir()  # an existing directory keeps what it held, and gets nothing
+    (out / "notes.txt").write_text("mine")
+    script(REPO / "scripts" / "prepare_data.py", raw, out, "--vocab-size", 8000, check=False)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
 @pytest.mark.parametrize("path", PYTHON_SCRIPTS, ids=lambda p: p.name)
 def test_usage_lines_keep_their_line_continuations(path):
     source = path.read_text()
@@ -148,6 +207,21 @@ def test_make_translate_reads_stdin_at_a_terminal_too():
         assert "examples.de" not in commands
     assert "--input -" in make_translate()
     assert "--stats" in make_translate("STATS=1") and "--stats" not in make_translate("STATS=0")
+
+
+def test_make_translate_passes_verify_and_seed_on():
+    for commands in (make_translate("VERIFY=sampling", "SEED=3"),
+                     make_translate("VERIFY=sampling", "SEED=3", "FAIRSEQ_OUTPUT=1")):  # fmt: skip
+        assert "--verify sampling" in commands and "--seed 3" in commands
+    assert "--verify" not in make_translate() and "--seed" not in make_translate()
+
+
+@pytest.mark.parametrize("path", PYTHON_SCRIPTS, ids=lambda p: p.name)
+def test_scripts_print_no_hints_of_fairseq_imports(path):
+    """fairseq's modules configure logging at import and log INFO hints ("Please install
+    tensorboardX"); scripts import spec_nmt first, which imports fairseq without them."""
+    result = script(path, "--help")
+    assert "tensorboardX" not in result.stderr and "INFO" not in result.stderr
 
 
 def test_the_supported_pythons_are_those_fairseq_installs_on():

@@ -13,13 +13,12 @@ from spec_nmt.decoding import tree as trees
 from spec_nmt.decoding.drafter import grow_tree
 from spec_nmt.decoding.rules import (
     accept_top_beta,
-    check_top_beta_params,
     residual,
     sampling_probs,
     speculative_sample,
 )
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.settings import DraftPlan
+from spec_nmt.settings import DecodingSettings, DraftPlan
 from tests.stats import chi_square_pvalue
 from tests.test_tree import DEPTHS, PARENTS, scores_with_best
 
@@ -127,7 +126,7 @@ def test_shape_mismatch_is_a_programming_error_with_traceback():
 @pytest.mark.parametrize("beta, tau", [(0, 0.0), (-1, 0.0), (1.5, 0.0), (1, -0.1), (1, math.nan)])
 def test_invalid_parameters(beta, tau):
     with pytest.raises(SpecNmtError):
-        check_top_beta_params(beta, tau)
+        DecodingSettings(beta=beta, tau=tau)
 
 
 def test_children_table_keeps_draw_order_and_skips_empty_slots():

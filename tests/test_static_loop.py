@@ -122,5 +122,5 @@ def test_what_the_static_loop_does_not_serve_decodes_on_the_dynamic_loop(pair, s
 
 
 def test_an_unknown_decoding_loop_is_refused_in_one_line():
-    with pytest.raises(SpecNmtError, match=r"^--decoding-loop must be one of static, dynamic"):
+    with pytest.raises(SpecNmtError, match=r"^decoding_loop must be one of static, dynamic"):
         DEFAULTS.replace(decoding_loop="graph")

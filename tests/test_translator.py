@@ -85,11 +85,21 @@ def test_samples_are_reproducible_with_a_seed(translator):
 @pytest.mark.parametrize(
     "call,message",
     [
-        (lambda t: t.translate("x", beta=0), "--beta must be an integer >= 1"),
+        # the API names the keywords its caller used, not the command line's flags (issue 58)
+        (lambda t: t.translate("x", beta=0), "beta must be an integer >= 1, got 0"),
+        (lambda t: t.translate("x", beta=3, max_draft_batch=2),
+         "max_draft_batch=2 with a relaxed top-beta/tau (beta=3)"),
+        (lambda t: t.translate("x", block_size=0, tree_branching="2,1"),
+         "block_size=0 (no drafts) decodes with the verifier alone"),
+        # as the command line refuses --temperature without a sampling rule
+        (lambda t: t.translate("x", temperature=0.5),
+         "temperature sets how to sample: call sample() instead of translate()"),
+        (lambda t: t.translate("x", seed=3, sampling_topk=5),
+         "sampling_topk, seed set how to sample"),
         (lambda t: t.translate("x", beams=3), "unknown setting(s) beams"),
         (lambda t: t.translate("x", verify="rsd", tree_budget=6), "use sample() to sample"),
         (lambda t: t.sample("x", verify="top_beta"), "sample() takes verify="),
-        (lambda t: t.sample("x", temperature=0), "--temperature must be > 0"),
+        (lambda t: t.sample("x", temperature=0), "temperature must be > 0"),
         (lambda t: t.translate(["x", 3]), "a string or a list of strings"),
         (lambda t: t.translate("x", batch_size=0), "batch_size must be >= 1"),
         (lambda t: t.translate("x", beta=2, max_draft_batch=1), "depend on its batch"),
@@ -99,6 +109,16 @@ def test_bad_calls_raise_one_line_errors(translator, call, message):
     with pytest.raises(SpecNmtError) as error:
         call(translator)
     assert message in str(error.value) and "\n" not in str(error.value)
+    assert "--" not in str(error.value)  # no command-line flag in the API's words
+
+
+def test_the_translators_defaults_may_hold_sampling_settings_for_sample():
+    """from_pretrained's settings are defaults for sample() too: a temperature there is no
+    request to sample greedy translations, so translate() keeps working."""
+    warm = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", temperature=0.7)
+    assert warm.translate("Guten Morgen.") == "Good morning."
+    with pytest.raises(SpecNmtError, match="^beta must be an integer >= 1, got 0$"):
+        SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", beta=0)
 
 
 def test_a_missing_model_file_is_named(tmp_path):

@@ -14,15 +14,6 @@ import torch
 from torch import Tensor
 
 from spec_nmt.decoding.tree import DraftTree, before_any_eos
-from spec_nmt.errors import SpecNmtError
-
-
-def check_top_beta_params(beta: int, tau: float) -> None:
-    """Raise a one-line ValueError for parameters the top-beta/tau rule cannot use."""
-    if int(beta) != beta or beta < 1:
-        raise SpecNmtError(f"--beta must be an integer >= 1, got {beta}")
-    if not tau >= 0:  # also rejects NaN
-        raise SpecNmtError(f"--tau must be >= 0, got {tau}")
 
 
 def accepted_count(
@@ -85,18 +76,6 @@ def accept_top_beta(
     n_accepted = accepted_count(in_top_beta & within_tau, draft_tokens, eos, valid)
     next_tokens = next_candidates.gather(1, n_accepted.unsqueeze(1)).squeeze(1)
     return n_accepted, next_tokens
-
-
-def check_sampling_params(temperature: float, topk: int, topp: float) -> None:
-    """Raise a one-line error for sampling settings no distribution can be made from."""
-    if not temperature > 0:
-        raise SpecNmtError(f"--temperature must be > 0, got {temperature}")
-    if int(topk) != topk or (topk < 1 and topk != -1):
-        raise SpecNmtError(
-            f"--sampling-topk must be a positive integer (or -1 for all), got {topk}"
-        )
-    if topp != -1.0 and not 0 < topp <= 1:
-        raise SpecNmtError(f"--sampling-topp must be in (0, 1] (or -1 for all), got {topp}")
 
 
 def sampling_probs(scores: Tensor, topk: int = -1, topp: float = -1.0) -> Tensor:
