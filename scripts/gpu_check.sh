@@ -237,12 +237,16 @@ KEEP_S=0
 # fairseq stops training this long before the train step's limit, then validates, saves, exports
 TRAIN_MARGIN_S=$([[ $MODE == gpu ]] && echo 90 || echo 0)
 
-step() {  # step NAME SHARE CAP COMMAND...: at most 1/SHARE of the seconds left, and CAP if > 0
-    # (SHARE counts this step's later runs and the later steps: LATER)
-    local name=$1 share=$2 cap=$3 left limit start status
+# each step's weight: about the seconds it takes on an H200 (runs 4 and 5); a step gets its
+# weight's share of the seconds left, against the weights of the steps after it (LATER_WEIGHT)
+declare -A WEIGHT=([tests]=90 [syncs]=25 [bench]=240 [sizes]=70 [distill]=60 [feature]=60
+                   [train]=200)
+step() {  # step NAME WEIGHT CAP COMMAND...: WEIGHT / (WEIGHT + LATER_WEIGHT) of the seconds left,
+    # and at most CAP if > 0
+    local name=$1 weight=$2 cap=$3 left limit start status
     shift 3
     left=$((BUDGET_S - SECONDS - KEEP_S))
-    limit=$((left / share))
+    limit=$((left * weight / (weight + LATER_WEIGHT)))
     ((cap > 0 && cap < limit)) && limit=$cap
     echo "=== $name (at most ${limit} s of ${left} s left) ==="
     if ((limit < 10)); then
@@ -259,7 +263,7 @@ step() {  # step NAME SHARE CAP COMMAND...: at most 1/SHARE of the seconds left,
 }
 
 run_tests() {
-    step tests $((1 + LATER)) 0 env SPEC_NMT_TEST_DEVICE=$DEVICE SPEC_NMT_TEST_SOURCE=$CARRY/data/test.de \
+    step tests "${WEIGHT[tests]}" 0 env SPEC_NMT_TEST_DEVICE=$DEVICE SPEC_NMT_TEST_SOURCE=$CARRY/data/test.de \
         SPEC_NMT_TEST_LINES=$TEST_LINES SPEC_NMT_TEST_SAMPLES=$TEST_SAMPLES "$PY" -m pytest -q \
         -p no:cacheprovider -p no:xdist -rfE --durations=10 --junitxml="$OUT/tests.xml" \
         ${TEST_FILTER:+-k "$TEST_FILTER"} tests/test_cuda.py
@@ -267,7 +271,7 @@ run_tests() {
 
 run_syncs() {
     # where the loop makes the host wait for the GPU, counted before anything is timed
-    step syncs $((1 + LATER)) 60 "$PY" benchmarks/benchmark.py syncs "$MODEL_DIR" --src "$CARRY/data/test.de" \
+    step syncs "${WEIGHT[syncs]}" 60 "$PY" benchmarks/benchmark.py syncs "$MODEL_DIR" --src "$CARRY/data/test.de" \
         --lines "$SYNC_LINES" --batch-sizes "$SYNC_SIZES" --device "$DEVICE" --warmup-lines 1 \
         --json "$WORK/syncs.json"
 }
@@ -283,7 +287,7 @@ run_bench() {
                  "${extra[@]}")
     local runs=("fp32 1 $BATCH1_LINES" "fp32 $BATCHED_SIZES $BATCHED_LINES"
                 "fp16 1 $(((BATCH1_LINES + 2) / 3))")
-    local index precision sizes lines name headline
+    local index precision sizes lines name headline later=$LATER_WEIGHT
     # BENCH_RUNS="PRECISION SIZES LINES;...": these runs instead, in this order
     [[ -n ${BENCH_RUNS:-} ]] && IFS=';' read -r -a runs <<<"$BENCH_RUNS"
     for index in "${!runs[@]}"; do
@@ -291,8 +295,10 @@ run_bench() {
         name="bench-$precision-batch-${sizes//,/-}"
         headline=()
         [[ $precision == fp32 && $sizes == 1 ]] && headline=(--headline "$OUT/headline.json")
-        step "$name" $((${#runs[@]} - index + LATER)) 0 "$PY" "${bench[@]}" --lines "$lines" \
-            --batch-sizes "$sizes" $([[ $precision == fp16 ]] && echo --fp16) \
+        # the bench weight split evenly between its runs; the runs after this one wait too
+        LATER_WEIGHT=$((later + (${#runs[@]} - index - 1) * ${WEIGHT[bench]} / ${#runs[@]})) \
+            step "$name" $((${WEIGHT[bench]} / ${#runs[@]})) 0 "$PY" "${bench[@]}" \
+            --lines "$lines" --batch-sizes "$sizes" $([[ $precision == fp16 ]] && echo --fp16) \
             "${headline[@]}" --json "$WORK/$name.json"
     done
 }
@@ -300,7 +306,7 @@ run_bench() {
 run_sizes() {
     # speed by verifier size (bundled, random transformer-base and -big), accepted drafts and
     # batch size
-    step sizes $((1 + LATER)) 0 "$PY" benchmarks/benchmark.py sizes "$MODEL_DIR" --src "$CARRY/data/test.de" \
+    step sizes "${WEIGHT[sizes]}" 0 "$PY" benchmarks/benchmark.py sizes "$MODEL_DIR" --src "$CARRY/data/test.de" \
         --device "$DEVICE" --lines "$SIZE_LINES" --batch-sizes "$SIZE_BATCHES" \
         --output-length "$SIZE_LENGTH" --warmup-lines 1 --json "$WORK/sizes.json"
 }
@@ -315,7 +321,7 @@ run_distill() {
     xz -dc "$DISTILL_SOURCE" >"$WORK/distill.de" || return
     ((DISTILL_LINES > 0)) && { head -n "$DISTILL_LINES" "$WORK/distill.de" >"$WORK/head.de";
                                mv "$WORK/head.de" "$WORK/distill.de"; }
-    step distill 1 0 bash -c 'exec "$@" >"$0"' "$WORK/distill.en" \
+    step distill "${WEIGHT[distill]}" 0 bash -c 'exec "$@" >"$0"' "$WORK/distill.en" \
         "$PY" -c 'from spec_nmt.cli import main; main()' "$MODEL_DIR" --input "$WORK/distill.de" \
         --batch-size 128 --buffer-size 4096 --no-split-sentences --block-size 0 --quiet
     echo "distill: $(wc -l <"$WORK/distill.en" 2>/dev/null || echo 0) of $(wc -l <"$WORK/distill.de") lines"
@@ -325,7 +331,7 @@ run_distill() {
 run_feature() {
     # the feature drafter (one drafter call per draft) against the bundled drafter's rows of
     # the bench step, fp32, at batch 1 and 8; before bench, whose last run takes what is left
-    step bench-feature $((1 + LATER)) 90 "$PY" benchmarks/benchmark.py ceiling "$MODEL_DIR" \
+    step bench-feature "${WEIGHT[feature]}" 90 "$PY" benchmarks/benchmark.py ceiling "$MODEL_DIR" \
         --drafter-path "$FEATURE_CARRIED" --src "$CARRY/data/test.de" --ref "$CARRY/data/test.en" \
         --device "$DEVICE" --warmup-lines "$WARMUP_LINES" --lossless-blocks 5 \
         --draft-stops 10:0.6 --top-beta 8:3:1 --lines "$BATCH1_LINES" --batch-sizes 1,8 \
@@ -337,13 +343,16 @@ run_train() {
     KEEP_S=0
     seconds=$((TRAIN_S > 0 && TRAIN_S < left ? TRAIN_S : left))
     export WORK OUT PY TRAIN_MARGIN_S
-    step train 1 "$seconds" "$SELF" --train-drafter "$seconds" "$DEVICE"
+    step train "${WEIGHT[train]}" "$seconds" "$SELF" --train-drafter "$seconds" "$DEVICE"
 }
 
 read -r -a ORDER <<<"$GPU_STEPS"
 for index in "${!ORDER[@]}"; do
     name=${ORDER[$index]}
-    LATER=$((${#ORDER[@]} - index - 1))  # steps after this one, whose time a step leaves them
+    LATER_WEIGHT=0  # the steps after this one, whose time a step leaves them
+    for later_step in "${ORDER[@]:index+1}"; do
+        LATER_WEIGHT=$((LATER_WEIGHT + ${WEIGHT[$later_step]:-0}))
+    done
     case $name in
     tests | syncs | bench | sizes | distill | feature | train) "run_$name" ;;
     *) echo "gpu_check: unknown step $name in GPU_STEPS (tests, syncs, bench, sizes, distill, feature, train)" ;;
