@@ -212,15 +212,20 @@ class StaticCachedDrafter:
         return best if vocabulary is None else vocabulary[best]
 
 
-def static_drafter(drafter) -> Optional[StaticDrafter]:
-    """The static form of a loaded drafter adapter, None where it has none."""
+def has_static_form(drafter) -> bool:
+    """Whether a loaded drafter adapter drafts on the static loop: the cached drafter, or a
+    ``StaticDrafter`` already (the benchmark's oracle)."""
     from spec_nmt.drafters.cached_drafter import CachedDrafter  # (it imports the decoding modules)
 
-    if isinstance(drafter, CachedDrafter):
-        return StaticCachedDrafter(drafter)
-    if all(hasattr(drafter, name) for name in ("buffers", "fill", "draft")):
-        return drafter  # already one (the benchmark's oracle)
-    return None
+    return isinstance(drafter, CachedDrafter) or all(
+        hasattr(drafter, name) for name in ("buffers", "fill", "draft"))
+
+
+def static_drafter(drafter) -> StaticDrafter:
+    """The static form of a drafter adapter that ``has_static_form``."""
+    from spec_nmt.drafters.cached_drafter import CachedDrafter
+
+    return StaticCachedDrafter(drafter) if isinstance(drafter, CachedDrafter) else drafter
 
 
 class StaticLoop:
@@ -237,7 +242,7 @@ class StaticLoop:
             self.encoder_layers = scripted_layers.ScriptedLayers(encoder.layers, verifier.project)
         self.settings = settings
         self.eos, self.pad, self.unk = eos, pad, unk
-        self._drafter: Optional[Tuple[object, Optional[StaticDrafter]]] = None
+        self._drafter: Optional[Tuple[object, StaticDrafter]] = None
         # per batch shape, its tensors and its graph's replay (the oldest dropped past
         # MAX_GRAPHS: each holds its batch's caches on the device)
         self._captured: Dict[Tuple, Tuple[Batch, object]] = {}
@@ -261,10 +266,11 @@ class StaticLoop:
         if plan.depth == 0:
             return True
         scorer = getattr(drafter, "scorer", None)
-        return static_drafter(drafter) is not None and (
-            scorer is None or scripted_layers.decoder_supported(scorer.decoder))
+        if scorer is not None and not scripted_layers.decoder_supported(scorer.decoder):
+            return False  # (int8 products, for one)
+        return has_static_form(drafter)
 
-    def drafter_for(self, drafter) -> Optional[StaticDrafter]:
+    def drafter_for(self, drafter) -> StaticDrafter:
         """The static form of ``drafter``, made once (its captured graphs are keyed by it)."""
         if self._drafter is None or self._drafter[0] is not drafter:
             self._drafter = (drafter, static_drafter(drafter))
