@@ -13,13 +13,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import spec_nmt  # noqa: F401  isort: skip  (first: it imports fairseq without its INFO hints)
+# first: it imports fairseq without its INFO hints, registers the task and model and lets fairseq
+# checkpoints load
+import spec_nmt  # noqa: F401  isort: skip
 import sacrebleu
 import torch
 from fairseq.search import Sampling
 from fairseq.sequence_generator import SequenceGenerator
 
-import spec_nmt  # noqa: F401  (registers the task and model, allows loading fairseq checkpoints)
 from spec_nmt.decoding.drafter import NoDrafter
 from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.tree import chain

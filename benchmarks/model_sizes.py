@@ -15,7 +15,6 @@ import torch
 from common import (
     decode_all,
     environment,
-    fairseq_generator,
     load_inputs,
     oracle,
     speculating,
