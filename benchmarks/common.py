@@ -265,6 +265,9 @@ class OracleDrafter(NoDrafter):
         index = batch.lengths.unsqueeze(1) + batch.offsets[: batch.k]
         return batch.drafter.gather(1, index.clamp(max=batch.drafter.size(1) - 1))
 
+    def current(self):
+        return True  # (it has no weights)
+
 
 class PhaseTimer:
     """Seconds spent in each phase of the speculative loop, by wrapping the methods that make up

@@ -12,7 +12,7 @@
 import atexit
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional
 from weakref import WeakKeyDictionary
 
 import torch
@@ -27,6 +27,7 @@ from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.decoding.static_loop import StaticLoop
 from spec_nmt.drafters.cached_drafter import CachedDrafterModel
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel
 from spec_nmt.drafters.training_batches import drafter_sample, unwrapped
@@ -151,6 +152,8 @@ class SpecTranslationTask(TranslationTask):
         self._packed_verifiers: "WeakKeyDictionary[torch.nn.Module, PackedLinears]" = (
             WeakKeyDictionary()
         )
+        # per verifier, its static loops by settings (generator_for)
+        self._static_loops: "WeakKeyDictionary[torch.nn.Module, Dict]" = WeakKeyDictionary()
 
     # ----- dictionaries -------------------------------------------------------------------
     def drafter_dictionaries(self):
@@ -266,10 +269,26 @@ class SpecTranslationTask(TranslationTask):
             project = self._packed_verifiers[verifier_model] = PackedLinears(verifier_model)
         verifier = BlockScorer(verifier_model, temperature=settings.temperature,
                                        project=project)  # fmt: skip
-        generator = SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings)
+        generator = SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings,
+                                         self._static_loop(verifier_model, verifier, settings))
         # (the drafter it runs: none with k = 0)
         self._source_token_limit = self.source_token_limit(verifier_model, generator.drafter)
         return generator
+
+    def _static_loop(self, verifier_model, verifier: BlockScorer,
+                     settings: DecodingSettings) -> Optional[StaticLoop]:  # fmt: skip
+        """The static loop for this verifier and these settings, made once and kept (with the
+        CUDA graphs it captured) while the verifier's weights stay those it was made with: a
+        translator makes a generator per call, which would capture them again every time."""
+        if not StaticLoop.may_serve(settings):
+            return None
+        loops = self._static_loops.setdefault(verifier_model, {})
+        loop = loops.get(settings)
+        if loop is None or not loop.current():
+            dictionary = self.target_dictionary
+            loop = loops[settings] = StaticLoop(verifier, settings, dictionary.eos(),
+                                                dictionary.pad(), dictionary.unk())  # fmt: skip
+        return loop
 
     def get_interactive_tokens_and_lengths(self, lines, encode_fn):
         """Encode input lines; a line longer than the models accept is cut to fit (with a

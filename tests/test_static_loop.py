@@ -9,6 +9,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from spec_nmt.decoding import host
+from spec_nmt.decoding.static_loop import StaticLoop
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DEFAULTS
 from spec_nmt.translator import SpecTranslator
@@ -73,6 +74,9 @@ def test_the_shapes_of_captured_graphs_give_fairseq_greedy(pair, sources, greedy
     """As on CUDA: source lengths padded to their bucket, the encoder run over the padding
     under its mask without asking the device whether there is any."""
     generator = pair.generator(block_size=3, max_draft_batch=0)
+    # a loop of its own: the translator's generators of equal settings share theirs
+    generator.static = StaticLoop(generator.verifier, generator.settings, generator.eos,
+                                  generator.pad, generator.unk)  # fmt: skip
     generator.static.graph_shapes = True
     found = decode(pair, generator, sources, batch_size)
     for line, (ours, theirs) in enumerate(zip(found, greedy)):
@@ -124,3 +128,16 @@ def test_what_the_static_loop_does_not_serve_decodes_on_the_dynamic_loop(pair, s
 def test_an_unknown_decoding_loop_is_refused_in_one_line():
     with pytest.raises(SpecNmtError, match=r"^decoding_loop must be one of static, dynamic"):
         DEFAULTS.replace(decoding_loop="graph")
+
+
+def test_a_translators_calls_share_one_static_loop_while_the_weights_stay():
+    """A translator makes a generator per call; their static loop (and on CUDA its captured
+    graphs) is made once per verifier and settings, and again once a verifier weight changed."""
+    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
+    first, again = pair.generator(block_size=3), pair.generator(block_size=3)
+    assert first.static is again.static
+    assert pair.generator(block_size=5).static is not first.static
+    assert pair.generator(verify="sampling").static is None  # a rule it does not serve
+    with torch.no_grad():
+        pair.verifier.decoder.layers[0].fc1.weight.add_(0.0)  # a new version, as training makes
+    assert pair.generator(block_size=3).static is not first.static

@@ -75,7 +75,10 @@ class SpeculativeGenerator:
     seeded with the settings' seed, so equal seeds give equal outputs.
     """
 
-    def __init__(self, verifier, drafter, tgt_dict, settings: DecodingSettings):
+    def __init__(self, verifier, drafter, tgt_dict, settings: DecodingSettings,
+                 static: Optional[StaticLoop] = None):  # fmt: skip
+        """``static``: a static loop made earlier for this verifier and these settings (the
+        task keeps them, with their captured graphs); by default one is made here."""
         if verifier.temperature != settings.temperature:
             raise ValueError("the verifier adapter's temperature differs from the settings'")
         self.verifier = verifier
@@ -93,8 +96,8 @@ class SpeculativeGenerator:
         self.max_len = verifier.max_positions()
         self.stats = DecodingStats()
         # the static loop, for the batches it serves (settings.decoding_loop)
-        self.static = None
-        if settings.decoding_loop == "static":
+        self.static = static
+        if static is None and StaticLoop.may_serve(settings):
             self.static = StaticLoop(verifier, settings, self.eos, self.pad, self.unk)
 
     @property

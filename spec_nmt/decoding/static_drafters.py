@@ -25,6 +25,9 @@ class StaticDrafter(Protocol):
     def draft(self, batch: Batch) -> Tensor:
         """[B, k] drafts after each row's pending token."""
 
+    def current(self) -> bool:
+        """Whether what it was made from is unchanged (its model's weights)."""
+
 
 @dataclass
 class CachedDrafterBuffers:
@@ -47,6 +50,9 @@ class StaticCachedDrafter:
         memory = self.decoder.memory(tokens.size(0), batch.capacity, source_length,
                                      batch.verifier.keys[0].dtype, tokens.device, masked_source)
         return CachedDrafterBuffers(memory, torch.zeros_like(batch.lengths))
+
+    def current(self) -> bool:
+        return self.decoder.layers.current()
 
     def fill(self, batch: Batch, net_input: Dict, encoder_out: Dict) -> None:
         batch.drafter.memory.take_encoder(self.decoder, encoder_out)
@@ -80,7 +86,7 @@ def has_static_form(drafter) -> bool:
     from spec_nmt.drafters.cached_drafter import CachedDrafter  # (it imports the decoding modules)
 
     return isinstance(drafter, CachedDrafter) or all(
-        hasattr(drafter, name) for name in ("buffers", "fill", "draft"))
+        hasattr(drafter, name) for name in ("buffers", "fill", "draft", "current"))
 
 
 def static_drafter(drafter) -> StaticDrafter:

@@ -74,6 +74,19 @@ class StaticLoop:
         self.capture_seconds = 0.0
 
     @staticmethod
+    def may_serve(settings: DecodingSettings) -> bool:
+        """Whether these settings ask for the static loop and have a rule and draft shape it
+        serves (whether their drafter does is known per batch: ``serves``)."""
+        plan = settings.draft_plan
+        return (settings.decoding_loop == "static" and settings.verify == "top_beta"
+                and plan.is_chain and not plan.stop_below)  # fmt: skip
+
+    def current(self) -> bool:
+        """Whether the verifier's weights are still those its layers were taken with."""
+        return self.verifier.layers.current() and (
+            self.encoder_layers is None or self.encoder_layers.current())
+
+    @staticmethod
     def serves(settings: DecodingSettings, plan: DraftPlan, drafter, verifier: BlockScorer) -> bool:
         """Whether the static loop decodes with this rule, draft shape, drafter and verifier
         (``plan.depth`` 0: no drafts, whatever the drafter)."""
@@ -89,9 +102,12 @@ class StaticLoop:
         return has_static_form(drafter)
 
     def drafter_for(self, drafter) -> StaticDrafter:
-        """The static form of ``drafter``, made once (its captured graphs are keyed by it)."""
-        if self._drafter is None or self._drafter[0] is not drafter:
+        """The static form of ``drafter``, made again for another drafter or when its weights
+        changed (a drafter in training); the graphs captured with the old one go."""
+        if (self._drafter is None or self._drafter[0] is not drafter
+                or not self._drafter[1].current()):  # fmt: skip
             self._drafter = (drafter, static_drafter(drafter))
+            self._captured.clear()
         return self._drafter[1]
 
     def decode(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor, longest_limit: int,
