@@ -17,7 +17,10 @@
 #    (bench-de-en's train and extra-de-en's sentence pairs, xz, with distill.txt naming each
 #    file's lines), then prints what would travel against the 64 MiB limit. DRAFTER_DATA_BIN (the
 #    bundled verifier's greedy translations, binarized: the drafter's data) adds its train and
-#    valid splits, and the run then trains. FEATURE_DRAFTER=DRAFTER.pt (a feature drafter of the
+#    valid splits, and the run then trains on them; without it the train step trains on the
+#    distill step's translations of this run (scripts/drafter_data.py binarizes them there, with
+#    newstest2013's first lines to validate): GPU_STEPS="distill train" is an on-policy training
+#    run of its own. FEATURE_DRAFTER=DRAFTER.pt (a feature drafter of the
 #    bundled verifier, as export_model.py writes it) adds it, and the run then times it too.
 # 2. Here, before any GPU run: the same steps on the CPU at tiny sizes, into the folder OUT:
 #        OUT=/tmp/gpu-dry scripts/gpu_check.sh --dry-run
@@ -66,9 +69,11 @@ prepare() {
     # antlr4-python3-runtime 4.9.3 (what omegaconf 2.3 and hydra 1.3 pin) is published as
     # source only: build its pure-Python wheel here
     "$python" -m pip wheel -q --no-deps -w "$CARRY/wheels" antlr4-python3-runtime==4.9.3 || return 1
-    # newstest2014's first lines: no step reads more than a few hundred
+    # newstest2014's first lines: no step reads more than a few hundred; newstest2013's, the
+    # drafter's validation when the train step trains on the distill step's translations
     for side in de en; do
         head -n "$TEST_SET_LINES" "$data/test.$side" >"$CARRY/data/test.$side" || return 1
+        head -n "$TEST_SET_LINES" "$data/valid.$side" >"$CARRY/data/valid.$side" || return 1
     done
     # the sources the verifier translates for the drafter's on-policy data: the benchmark's
     # training set and the extra pairs (not the Ding dictionary's word list)
@@ -98,6 +103,13 @@ train_drafter() {
     # validated by its acceptance; then the best and the last exported as compact fp16 files.
     local seconds=$1 device=$2 save=$WORK/drafter start=$WORK/drafter-start.pt
     local verifier=$MODEL_DIR/verifier.pt which stop_hours flags=(--eval-acceptance-sentences 500)
+    if [[ ! -d $DRAFTER_DATA ]]; then  # the distill step's translations, binarized here
+        DRAFTER_DATA=$WORK/drafter-data
+        "$PY" scripts/drafter_data.py "$MODEL_DIR" "$WORK/distill.de" "$WORK/distill.en" \
+            "$CARRY/data/valid" "$DRAFTER_DATA" >"$WORK/drafter-data.log" 2>&1 ||
+            { tail -3 "$WORK/drafter-data.log"; return 1; }
+        echo "train_drafter: $(grep -c . "$WORK/distill.en") on-policy pairs from the distill step"
+    fi
     # the dry run: three updates, then the epoch's validation (its loss over all of valid)
     [[ $device == cpu ]] && flags=(--cpu --max-update 3 --eval-acceptance-sentences 8)
     "$PY" scripts/unpack_drafter.py "$MODEL_DIR" "$start" || return 1
@@ -226,9 +238,10 @@ if [[ ! -f $FEATURE_CARRIED ]]; then
         echo "gpu_check: no feature step: $FEATURE_CARRIED is missing (FEATURE_DRAFTER=... --prepare)"
     GPU_STEPS=${GPU_STEPS//feature/}
 fi
-if [[ ! -d $DRAFTER_DATA ]]; then
+if [[ ! -d $DRAFTER_DATA && " $GPU_STEPS " != *" distill "* ]]; then
     [[ " $GPU_STEPS " == *" train "* ]] &&
-        echo "gpu_check: no train step: $DRAFTER_DATA is missing (--prepare DRAFTER_DATA_BIN)"
+        echo "gpu_check: no train step: $DRAFTER_DATA is missing (--prepare DRAFTER_DATA_BIN)" \
+            "and no distill step translates the training sources"
     GPU_STEPS=${GPU_STEPS//train/}
 fi
 # seconds kept for the train step while the steps before it run
@@ -342,6 +355,11 @@ run_train() {
     local left=$((BUDGET_S - SECONDS)) seconds
     KEEP_S=0
     seconds=$((TRAIN_S > 0 && TRAIN_S < left ? TRAIN_S : left))
+    if ((seconds < TRAIN_MARGIN_S + 60)); then  # fairseq stops TRAIN_MARGIN_S before the limit
+        echo "=== train: skipped, ${seconds} s left (GPU_STEPS=\"distill train\" trains longer) ==="
+        STEPS+=("train skipped 0")
+        return
+    fi
     export WORK OUT PY TRAIN_MARGIN_S
     step train "${WEIGHT[train]}" "$seconds" "$SELF" --train-drafter "$seconds" "$DEVICE"
 }
