@@ -73,7 +73,11 @@ def make(args) -> None:
         for split, prefix in (("train", raw / "train"), ("valid", Path(args.valid_prefix))):
             for side in ("de", "en"):
                 encode_file(spm, f"{prefix}.{side}", encoded / f"{split}.{side}")
-        filter_pair_lengths(encoded / "train.de", encoded / "train.en", MAX_PIECES, MAX_RATIO)
+        if not filter_pair_lengths(encoded / "train.de", encoded / "train.en", MAX_PIECES,
+                                   MAX_RATIO):  # fmt: skip
+            raise SpecNmtError(f"no pair of {args.sources} and {args.translations} is left "
+                               f"after the length filter (at most {MAX_PIECES} pieces, ratio "
+                               f"{MAX_RATIO}): are they each other's translations?")
         run_fairseq_preprocess("de", "en", args.out_bin, trainpref=encoded / "train",
                                validpref=encoded / "valid",
                                srcdict=args.model_dir / "dict.de.txt")  # fmt: skip
