@@ -94,13 +94,15 @@ def sync_systems(args, pair):
                                                      decoding_loop="dynamic")}  # fmt: skip
 
 
-def decode(pair, system, tokens, batch_size):
-    """Every line's output ids, kept on the device (a copy to the host would be counted)."""
-    outputs = [None] * len(tokens)
+def decode(pair, system, batches, lines):
+    """Every line's output ids from ``batches`` (``pair.batches``' (lines, sample) pairs, made
+    beforehand: moving the inputs to the device is not decoding), kept where the system left
+    them (a copy to the host would be counted)."""
+    outputs = [None] * lines
     with torch.inference_mode():
-        for lines, sample in pair.batches(tokens, batch_size):
+        for rows, sample in batches:
             hypos = system.generate([pair.verifier], sample)
-            for row, line in enumerate(lines):
+            for row, line in enumerate(rows):
                 outputs[line] = hypos[row][0]["tokens"]
     return outputs
 
@@ -113,12 +115,14 @@ def host_syncs(args):
     rows = []
     for batch_size in args.batch_sizes:
         systems = sync_systems(args, pair)
+        warmup = list(pair.batches(tokens[: args.warmup_lines], batch_size))
+        batches = list(pair.batches(tokens, batch_size))
         for name, system in systems.items():
-            decode(pair, system, tokens[: args.warmup_lines], batch_size)  # warm-up, uncounted
+            decode(pair, system, warmup, args.warmup_lines)  # warm-up, uncounted
             if isinstance(system, SpeculativeGenerator):
                 system.stats = DecodingStats()
             with SyncCounter(on_gpu) as counter:
-                outputs = decode(pair, system, tokens, batch_size)
+                outputs = decode(pair, system, batches, len(tokens))
             if isinstance(system, SpeculativeGenerator):
                 calls = system.stats.batched_verifier_calls
             else:

@@ -13,7 +13,8 @@ hundred small kernels of an iteration are launched one by one from Python. Here,
   slots no mask sees) and its k masks;
 - acceptance (top-beta/tau, lossless with beta 1), the commit and the next input are computed on
   the device. A finished row stays in the batch and changes nothing;
-- the host reads one flag per iteration (whether a row is still going), through ``host_read``.
+- the host reads one flag per iteration but the first (whether a row is still going) and the
+  output once, through ``host_read``.
 On CUDA the whole iteration (draft, score, accept, commit) is captured once per batch size, source
 length bucket, k and settings, then replayed: one launch instead of hundreds.
 
@@ -136,7 +137,9 @@ class StaticLoop:
         while calls <= longest_limit:  # a live row emits a token per call and ends at its limit
             step()
             calls += 1
-            if not any_true(batch.going):
+            # not read after the first call: a sentence seldom ends there, and a call too many
+            # changes nothing (a finished row stays as it is)
+            if calls > 1 and not any_true(batch.going):
                 break
         return dict(_read_back(batch, src_lengths), calls=calls)
 
