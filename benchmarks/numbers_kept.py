@@ -18,14 +18,13 @@ import inspect
 import json
 import platform
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
-from common import cpu_model, read_lines
+from common import commit, cpu_model, read_lines
 
 from spec_nmt.number_repair import missing_numbers, numbers_in
 from spec_nmt.translator import SpecTranslator
@@ -76,15 +75,6 @@ def _digits_missing(source: str, output: str) -> bool:
     available = Counter(re.sub(r"\D", "", n) for n in numbers_in(output))
     available.subtract(re.sub(r"\D", "", n) for n in numbers_in(source))
     return any(count < 0 for count in available.values())
-
-
-def commit() -> str:
-    repo = Path(__file__).resolve().parent.parent
-    def git(*args):
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
-                              check=False).stdout.strip()  # fmt: skip
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else "")
 
 
 def translate(args, sources):

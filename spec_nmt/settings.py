@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
+from torch import Tensor
+
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
 
@@ -281,6 +283,13 @@ class DecodingSettings:
                 "level"
             )
         return DraftPlan(beam_width=width, beam_depth=self.block_size, sample=rule.sampled_drafts)
+
+    def length_limits(self, source_lengths: Tensor, max_positions: int) -> Tensor:
+        """Each sentence's output length limit [B], max_len_a * its source length + max_len_b
+        in SequenceGenerator's arithmetic (a double, truncated), at most ``max_positions`` - 1,
+        computed where ``source_lengths`` [B] lie (on the device: no wait for the host)."""
+        limits = (self.max_len_a * source_lengths.double() + self.max_len_b).trunc().long()
+        return limits.clamp(max=max_positions - 1)
 
     def replace(self, **changes) -> "DecodingSettings":
         """A copy with ``changes``, the Python API's way to set them: an error names keywords,

@@ -84,12 +84,12 @@ def encode(encoder, src_tokens: Tensor, scripted: ScriptedLayers,
     batch, length, channels = x.shape
     bias, real = None, None
     layers = scripted_layers.encoder_layers_scripted
-    if without_host:
-        bias = additive_mask(~padding.unsqueeze(1), x.dtype)
+    if without_host:  # (Python: the kernels a CUDA graph may capture)
         layers = scripted_layers.encoder_layers
-    elif bool(padding.any()):
+    if without_host or bool(padding.any()):
         bias = additive_mask(~padding.unsqueeze(1), x.dtype)
-        real = (~padding).flatten().nonzero().squeeze(1)
+        if not without_host:  # the layers' rows: the real tokens only
+            real = (~padding).flatten().nonzero().squeeze(1)
     x = layers(
         x, scripted.layers, scripted.packed(batch * length if real is None else real.numel()),
         bias, real, scripted.heads, scripted.scaling, scripted.eps, scripted.normalize_before,
@@ -168,12 +168,11 @@ def encoder_keys_values(
     enc = encoder_out["encoder_out"][0]  # [S, B, C]
     padding = encoder_out["encoder_padding_mask"]
     bias, tokens = None, None
-    if without_host and len(padding) > 0:
+    if len(padding) > 0 and (without_host or padding[0].any()):
         bias = additive_mask(~padding[0].unsqueeze(1), enc.dtype)
-    elif len(padding) > 0 and padding[0].any():  # project the real tokens only (zeros elsewhere)
-        bias = additive_mask(~padding[0].unsqueeze(1), enc.dtype)
-        tokens = RealTokens(padding[0])
-        enc = tokens.pack(enc)
+        if not without_host:  # project the real tokens only (zeros elsewhere)
+            tokens = RealTokens(padding[0])
+            enc = tokens.pack(enc)
     keys, values = [], []
     for layer in decoder.layers if layers is None else layers:
         attn = layer.encoder_attn

@@ -138,9 +138,8 @@ class SpeculativeGenerator:
             drafter, plan = self._drafting(src_tokens.size(0))
             if StaticLoop.serves(self.settings, plan, drafter, self.verifier):
                 return self._generate_static(net_input, src_lengths, drafter, plan)
-        limits = self._max_lengths(src_lengths.tolist())
-        self._check_min_len(limits)
-        max_lens = torch.tensor(limits, device=src_tokens.device)
+        max_lens = self._max_lengths(src_lengths)
+        self._check_min_len(max_lens)
         rng = self.rng(src_tokens.device)
         batch = self._start(net_input, src_lengths, max_lens)
         rows = batch.rows
@@ -170,18 +169,17 @@ class SpeculativeGenerator:
 
     def _generate_static(self, net_input: Dict, src_lengths: Tensor, drafter: Drafter,
                          plan: DraftPlan):  # fmt: skip
-        """``generate`` on the static loop (static_loop.py): the same hypotheses and totals.
-        The length limits are computed on the device, as ``_max_lengths`` computes them."""
+        """``generate`` on the static loop (static_loop.py): the same hypotheses and totals,
+        the length limits computed on the device."""
         if drafter is not self.drafter:
             self.stats.batches_without_drafts += 1
-        a, b = self.settings.max_len_a, self.settings.max_len_b
-        max_lens = (a * src_lengths.double() + b).trunc().long().clamp(max=self.max_len - 1)
+        max_lens = self._max_lengths(src_lengths)
         width = net_input["src_tokens"].size(1)  # the longest source
-        longest = min(int(a * width + b), self.max_len - 1)
+        longest = int(self._max_lengths(torch.tensor([width])))
         decoded = self.static.decode(net_input, src_lengths, max_lens, longest, drafter,
                                      plan.depth)  # fmt: skip
+        self._check_min_len(self._max_lengths(decoded["src_lengths"]))
         source_lengths = decoded["src_lengths"].tolist()
-        self._check_min_len(self._max_lengths(source_lengths))
         finalized = []
         for row, source_length in enumerate(source_lengths):
             length = int(decoded["lengths"][row])
@@ -321,17 +319,16 @@ class SpeculativeGenerator:
             self.verifier.select_rows(batch.verifier_state, keep)
             batch.drafter.select_rows(batch.drafter_state, keep)
 
-    def _check_min_len(self, limits: List[int]) -> None:
-        if self.settings.min_len > min(limits):
+    def _check_min_len(self, limits: Tensor) -> None:
+        if self.settings.min_len > int(limits.min()):
             raise SpecNmtError("--min-len cannot be larger than the maximum output length")
 
-    def _max_lengths(self, source_lengths: List[int]) -> List[int]:
-        """Each sentence's output length limit, max_len_a * its source length + max_len_b, in
-        SequenceGenerator's arithmetic. SequenceGenerator takes the padded width of the batch
-        instead; a per-sentence limit keeps a translation independent of what else is in its
-        batch (the same as SequenceGenerator's for a sentence decoded alone)."""
-        a, b = self.settings.max_len_a, self.settings.max_len_b
-        return [min(int(a * length + b), self.max_len - 1) for length in source_lengths]
+    def _max_lengths(self, src_lengths: Tensor) -> Tensor:
+        """Each sentence's output length limit (``DecodingSettings.length_limits``).
+        SequenceGenerator takes the padded width of the batch instead; a per-sentence limit
+        keeps a translation independent of what else is in its batch (the same as
+        SequenceGenerator's for a sentence decoded alone)."""
+        return self.settings.length_limits(src_lengths, self.max_len)
 
     def constrain(
         self, logits: Tensor, lengths: Tensor, depths: Tensor, max_lens: Tensor

@@ -202,13 +202,18 @@ class BlockScorer:
                                     None if uniform else slots)  # fmt: skip
         if state.keep_block_states:
             state.block_states = x
+        state.uncommitted = entries
+        return self.output_logits(x, outputs)
+
+    def output_logits(self, features: Tensor, outputs: Optional[int] = None) -> Tensor:
+        """Float logits [B, W, V] (temperature applied) of the decoder's final features [B, W, C],
+        or of their last ``outputs`` entries: the decoder's output_layer without an adaptive
+        softmax (check_supported)."""
         if outputs is not None:
-            x = x[:, width - outputs :]
-        # the decoder's output_layer without an adaptive softmax (check_supported)
-        logits = self.project(dec.output_projection, x).float()
+            features = features[:, features.size(1) - outputs :]
+        logits = self.project(self.decoder.output_projection, features).float()
         if self.temperature != 1.0:
             logits.div_(self.temperature)
-        state.uncommitted = entries
         return logits
 
     def scripted_layers(self) -> Optional[scripted_layers.ScriptedLayers]:

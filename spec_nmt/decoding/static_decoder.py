@@ -1,6 +1,6 @@
 """The static loop's building blocks (static_loop.py): a decoder run over fixed-width blocks on
-preallocated caches (``StaticDecoder`` on a ``Memory``), the attention mask over a whole cache
-(``sees``), and every tensor an iteration reads or writes (``Batch``), allocated once per shape.
+preallocated caches (``StaticDecoder`` on a ``Memory``), and every tensor an iteration reads or
+writes (``Batch``), allocated once per shape.
 """
 
 from dataclasses import dataclass
@@ -82,18 +82,7 @@ class StaticDecoder:
                      layers.eps, layers.normalize_before, layers.gelu)  # fmt: skip
         if decoder.layer_norm is not None:
             x = decoder.layer_norm(x)
-        if outputs is not None:
-            x = x[:, x.size(1) - outputs :]
-        logits = self.scorer.project(decoder.output_projection, x).float()
-        if self.scorer.temperature != 1.0:
-            logits.div_(self.scorer.temperature)
-        return logits
-
-
-def sees(seen: Tensor, dtype: torch.dtype) -> Tensor:
-    """Bool [B, W, capacity] → the additive attention mask [B, 1, W, capacity]."""
-    zeros = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
-    return zeros.masked_fill_(~seen, float("-inf")).unsqueeze(1)
+        return self.scorer.output_logits(x, outputs)
 
 
 @dataclass

@@ -8,7 +8,8 @@ from typing import Dict, Protocol
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.static_decoder import Batch, Memory, StaticDecoder, sees
+from spec_nmt.decoding.block_forward import additive_mask
+from spec_nmt.decoding.static_decoder import Batch, Memory, StaticDecoder
 
 
 class StaticDrafter(Protocol):
@@ -73,7 +74,7 @@ class StaticCachedDrafter:
         seen = torch.cat([prefix_seen, mask_seen.expand(-1, k, -1)], dim=1)
         logits = self.decoder.logits(state.memory, tokens, torch.cat([prefix, mask_positions], 1),
                                      torch.cat([prefix, mask_slots], 1),
-                                     sees(seen, state.memory.keys[0].dtype), outputs=k)
+                                     additive_mask(seen, state.memory.keys[0].dtype), outputs=k)
         state.fed.copy_(batch.lengths + 1)
         best = self.cached._draft_columns(logits).max(dim=-1).indices
         vocabulary = self.cached.vocabulary

@@ -34,7 +34,7 @@ from spec_nmt.decoding import block_forward, scripted_layers
 from spec_nmt.decoding.host import any_true, host_read
 from spec_nmt.decoding.rules import accept_top_beta
 from spec_nmt.decoding.scorer import BlockScorer
-from spec_nmt.decoding.static_decoder import Batch, StaticDecoder, sees
+from spec_nmt.decoding.static_decoder import Batch, StaticDecoder
 from spec_nmt.decoding.static_drafters import StaticDrafter, has_static_form, static_drafter
 from spec_nmt.settings import DecodingSettings, DraftPlan
 
@@ -78,9 +78,8 @@ class StaticLoop:
     def may_serve(settings: DecodingSettings) -> bool:
         """Whether these settings ask for the static loop and have a rule and draft shape it
         serves (whether their drafter does is known per batch: ``serves``)."""
-        plan = settings.draft_plan
-        return (settings.decoding_loop == "static" and settings.verify == "top_beta"
-                and plan.is_chain and not plan.stop_below)  # fmt: skip
+        return settings.decoding_loop == "static" and _rule_and_shape(settings,
+                                                                       settings.draft_plan)
 
     def current(self) -> bool:
         """Whether the verifier's weights are still those its layers were taken with."""
@@ -91,9 +90,8 @@ class StaticLoop:
     def serves(settings: DecodingSettings, plan: DraftPlan, drafter, verifier: BlockScorer) -> bool:
         """Whether the static loop decodes with this rule, draft shape, drafter and verifier
         (``plan.depth`` 0: no drafts, whatever the drafter)."""
-        if settings.verify != "top_beta" or not plan.is_chain or plan.stop_below:
-            return False
-        if not scripted_layers.decoder_supported(verifier.decoder):
+        if not _rule_and_shape(settings, plan) or not scripted_layers.decoder_supported(
+                verifier.decoder):  # fmt: skip
             return False
         if plan.depth == 0:
             return True
@@ -162,9 +160,8 @@ class StaticLoop:
         captured = device.type == "cuda" and self.capture_graphs
         if graph_shapes:  # padded source, the capacity its longest limit needs
             source_length = -(-source_length // SOURCE_BUCKET) * SOURCE_BUCKET
-            settings = self.settings
-            longest_limit = min(int(settings.max_len_a * source_length + settings.max_len_b),
-                                self.verifier.decoder.max_positions() - 1)
+            longest_limit = int(self.settings.length_limits(
+                torch.tensor([source_length]), self.verifier.decoder.max_positions()))
         capacity = longest_limit + 2 * k + 3
         dtype = next(self.verifier.decoder.parameters()).dtype
         key = (rows, source_length, k, dtype, id(drafts))
@@ -243,7 +240,8 @@ class StaticLoop:
         pending = batch.tokens.gather(1, batch.lengths.unsqueeze(1))
         block = torch.cat([pending, draft_tokens], dim=1)
         positions = batch.lengths.unsqueeze(1) + batch.offsets  # = the entries' cache slots
-        bias = sees(batch.slot_index <= positions.unsqueeze(2), batch.verifier.keys[0].dtype)
+        bias = block_forward.additive_mask(batch.slot_index <= positions.unsqueeze(2),
+                                          batch.verifier.keys[0].dtype)
         logits = self.verifier.logits(batch.verifier, block, positions, positions, bias)
         normalizer = self._constrain(logits, positions, batch.max_lens)
         settings = self.settings
@@ -278,6 +276,12 @@ class StaticLoop:
         logits.masked_fill_(steps.ge(max_lens.unsqueeze(1)).unsqueeze(2), float("-inf"))
         logits[:, :, self.eos] = eos_logits.masked_fill(steps.lt(settings.min_len), float("-inf"))
         return normalizer
+
+
+def _rule_and_shape(settings: DecodingSettings, plan: DraftPlan) -> bool:
+    """Whether the static loop serves this rule and draft shape: top-beta/tau over a chain that
+    every row drafts whole (no --draft-stop)."""
+    return settings.verify == "top_beta" and plan.is_chain and not plan.stop_below
 
 
 def _read_back(batch: Batch, src_lengths: Tensor) -> Dict[str, Tensor]:
