@@ -5,8 +5,8 @@
 # beside the dynamic loop, stock fairseq greedy and beam 5, and the oracle), the model-size
 # table (benchmark.py sizes), the verifier's greedy translations of the training sources for the
 # drafter's next training (distill) and, given its data, the bundled drafter trained on, in one
-# run of at most 9 minutes, writing gpu_check.log, gpu_check.json, tests.xml and headline.json
-# (benchmark.py --headline) into $OUT, with distill: distill-greedy.en.xz, with training:
+# run of at most BUDGET_S seconds (560; the device call's timeout is 600), writing gpu_check.log,
+# gpu_check.json, tests.xml and headline.json (benchmark.py --headline) into $OUT, with distill: distill-greedy.en.xz, with training:
 # train_drafter.log, drafter-best.pt and drafter-last.pt (compact fp16, as in a model directory).
 #
 # 1. Here, once (pip and ../shared/data needed):
@@ -16,11 +16,11 @@
 #    newstest2014's first 1,000 lines (source and reference) and the training sources to distill
 #    (bench-de-en's train and extra-de-en's sentence pairs, xz, with distill.txt naming each
 #    file's lines), then prints what would travel against the 64 MiB limit. DRAFTER_DATA_BIN (the
-#    bundled verifier's greedy translations, binarized: the drafter's data) adds its train and
-#    valid splits, and the run then trains on them; without it the train step trains on the
-#    distill step's translations of this run (scripts/drafter_data.py binarizes them there, with
-#    newstest2013's first lines to validate): GPU_STEPS="distill train" is an on-policy training
-#    run of its own. FEATURE_DRAFTER=DRAFTER.pt (a feature drafter of the
+#    bundled verifier's greedy translations, binarized by scripts/drafter_data.py: the drafter's
+#    data) carries its train and valid splits xz'd instead of the sources to distill, and the run
+#    then trains on them; without it the train step trains on the distill step's translations of
+#    this run (scripts/drafter_data.py binarizes them there, with newstest2013's first lines to
+#    validate): GPU_STEPS="distill train" is an on-policy training run of its own. FEATURE_DRAFTER=DRAFTER.pt (a feature drafter of the
 #    bundled verifier, as export_model.py writes it) adds it, and the run then times it too.
 # 2. Here, before any GPU run: the same steps on the CPU at tiny sizes, into the folder OUT:
 #        OUT=/tmp/gpu-dry scripts/gpu_check.sh --dry-run
@@ -34,9 +34,9 @@
 # (pytest -k of the CUDA tests; empty: all), SYNC_LINES (lines of the syncs count), BATCH1_LINES
 # and BATCHED_LINES (benchmark lines at batch 1 and at the other batch sizes), BENCH_RUNS (the
 # benchmark runs, as the runs list in run_bench), BENCH_FLAGS (the systems the benchmark adds to
-# its own; default: beam 5, k = 2, 5, 10, top-beta 5:3:1), SYNC_SIZES, SIZE_LINES and SIZE_BATCHES (the model-size
-# table), DISTILL_LINES (0: all), TRAIN_S (the seconds kept for training, exports included; 0:
-# what the steps before it leave), BUDGET_S. GPU_STEPS lists the steps in the order they run
+# its own; default: beam 5, k = 2, 5, 10, top-beta 5:3:1, no phase run), SYNC_SIZES, SIZE_LINES and SIZE_BATCHES (the model-size
+# table), DISTILL_LINES (0: all), TRAIN_S (the seconds the steps before training leave it,
+# exports included; it then takes all that is left; 0: their shares decide), BUDGET_S. GPU_STEPS lists the steps in the order they run
 # (default "tests syncs bench sizes distill feature train"; feature needs the prepared feature
 # drafter, train the prepared drafter data).
 # CTranslate2 has no CUDA row: the image has no ctranslate2, and its wheels link CUDA 12's cuBLAS
@@ -75,6 +75,21 @@ prepare() {
         head -n "$TEST_SET_LINES" "$data/test.$side" >"$CARRY/data/test.$side" || return 1
         head -n "$TEST_SET_LINES" "$data/valid.$side" >"$CARRY/data/valid.$side" || return 1
     done
+    rm -rf "$DRAFTER_DATA" "$FEATURE_CARRIED" "$DISTILL_SOURCE" "$CARRY/data/distill.txt"
+    if [[ -n ${FEATURE_DRAFTER:-} ]]; then
+        install -m 644 "$FEATURE_DRAFTER" "$FEATURE_CARRIED" || return 1
+    fi
+    if [[ -n $drafter_bin ]]; then
+        # what fairseq-train reads: the dictionaries, train and valid (not test), each file xz'd
+        # (a third of its size: the 144k on-policy pairs travel in 6 MB, not 17); with the data
+        # here the distill step has nothing to make, so its sources stay behind
+        mkdir -p "$DRAFTER_DATA"
+        for file in "$drafter_bin"/dict.*.txt "$drafter_bin"/train.* "$drafter_bin"/valid.*; do
+            xz -T2 -6 <"$file" >"$DRAFTER_DATA/$(basename "$file").xz" || return 1
+        done
+        travel_size
+        return
+    fi
     # the sources the verifier translates for the drafter's on-policy data: the benchmark's
     # training set and the extra pairs (not the Ding dictionary's word list)
     : >"$CARRY/data/distill.txt"
@@ -84,16 +99,6 @@ prepare() {
             >>"$CARRY/data/distill.txt"
         cat "$file"
     done | xz -T2 -6 >"$DISTILL_SOURCE" || return 1
-    rm -rf "$DRAFTER_DATA" "$FEATURE_CARRIED"
-    if [[ -n ${FEATURE_DRAFTER:-} ]]; then
-        install -m 644 "$FEATURE_DRAFTER" "$FEATURE_CARRIED" || return 1
-    fi
-    if [[ -n $drafter_bin ]]; then
-        # what fairseq-train reads: the dictionaries, train and valid (not test)
-        mkdir -p "$DRAFTER_DATA"
-        install -m 644 "$drafter_bin"/dict.*.txt "$drafter_bin"/train.* "$drafter_bin"/valid.* \
-            "$DRAFTER_DATA/" || return 1
-    fi
     travel_size
 }
 
@@ -103,7 +108,13 @@ train_drafter() {
     # validated by its acceptance; then the best and the last exported as compact fp16 files.
     local seconds=$1 device=$2 save=$WORK/drafter start=$WORK/drafter-start.pt
     local verifier=$MODEL_DIR/verifier.pt which stop_hours flags=(--eval-acceptance-sentences 500)
-    if [[ ! -d $DRAFTER_DATA ]]; then  # the distill step's translations, binarized here
+    if [[ -d $DRAFTER_DATA ]]; then  # the carried data, unpacked
+        mkdir -p "$WORK/drafter-data"
+        for file in "$DRAFTER_DATA"/*.xz; do
+            xz -dc "$file" >"$WORK/drafter-data/$(basename "$file" .xz)" || return 1
+        done
+        DRAFTER_DATA=$WORK/drafter-data
+    else  # the distill step's translations, binarized here
         DRAFTER_DATA=$WORK/drafter-data
         "$PY" scripts/drafter_data.py "$MODEL_DIR" "$WORK/distill.de" "$WORK/distill.en" \
             "$CARRY/data/valid" "$DRAFTER_DATA" >"$WORK/drafter-data.log" 2>&1 ||
@@ -195,7 +206,7 @@ gpu)
     TEST_FILTER=${TEST_FILTER-lossless or captured or replay or static or sync}
     SYNC_SIZES=${SYNC_SIZES:-1,32}
     BATCH1_LINES=${BATCH1_LINES:-100} BATCHED_LINES=${BATCHED_LINES:-128}
-    BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-540} TRAIN_S=${TRAIN_S:-0}
+    BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-560} TRAIN_S=${TRAIN_S:-180}
     SIZE_LINES=${SIZE_LINES:-16} SIZE_BATCHES=1,8,32 SIZE_LENGTH=32 DISTILL_LINES=${DISTILL_LINES:-0}
     ;;
 *)
@@ -238,6 +249,11 @@ if [[ ! -f $FEATURE_CARRIED ]]; then
         echo "gpu_check: no feature step: $FEATURE_CARRIED is missing (FEATURE_DRAFTER=... --prepare)"
     GPU_STEPS=${GPU_STEPS//feature/}
 fi
+if [[ ! -f $DISTILL_SOURCE ]]; then
+    [[ " $GPU_STEPS " == *" distill "* && ! -d $DRAFTER_DATA ]] &&
+        echo "gpu_check: no distill step: $DISTILL_SOURCE is missing (--prepare)"
+    GPU_STEPS=${GPU_STEPS//distill/}
+fi
 if [[ ! -d $DRAFTER_DATA && " $GPU_STEPS " != *" distill "* ]]; then
     [[ " $GPU_STEPS " == *" train "* ]] &&
         echo "gpu_check: no train step: $DRAFTER_DATA is missing (--prepare DRAFTER_DATA_BIN)" \
@@ -254,6 +270,7 @@ TRAIN_MARGIN_S=$([[ $MODE == gpu ]] && echo 90 || echo 0)
 # weight's share of the seconds left, against the weights of the steps after it (LATER_WEIGHT)
 declare -A WEIGHT=([tests]=90 [syncs]=25 [bench]=240 [sizes]=70 [distill]=60 [feature]=60
                    [train]=200)
+((KEEP_S > 0)) && WEIGHT[train]=0  # its seconds are kept: the shares are of the others'
 step() {  # step NAME WEIGHT CAP COMMAND...: WEIGHT / (WEIGHT + LATER_WEIGHT) of the seconds left,
     # and at most CAP if > 0
     local name=$1 weight=$2 cap=$3 left limit start status
@@ -294,7 +311,7 @@ run_bench() {
     # captured greedy, the defaults, the oracle, k = 2, 5, 10, the relaxed 5:3:1) beside the
     # dynamic loop and stock fairseq greedy and beam 5; the fp32 batch-1 run writes headline.json
     local extra
-    read -r -a extra <<<"${BENCH_FLAGS---beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1}"
+    read -r -a extra <<<"${BENCH_FLAGS---beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1 --no-phases}"
     local bench=(benchmarks/benchmark.py ceiling "$MODEL_DIR" --src "$CARRY/data/test.de"
                  --ref "$CARRY/data/test.en" --device "$DEVICE" --warmup-lines "$WARMUP_LINES"
                  "${extra[@]}")
@@ -327,10 +344,6 @@ run_sizes() {
 run_distill() {
     # the verifier's greedy translation of every training source (the static loop at batch 128,
     # in input order), for the drafter's on-policy training; what a timeout leaves is kept
-    if [[ ! -f $DISTILL_SOURCE ]]; then
-        echo "gpu_check: no distill step: $DISTILL_SOURCE is missing (--prepare)"
-        return
-    fi
     xz -dc "$DISTILL_SOURCE" >"$WORK/distill.de" || return
     ((DISTILL_LINES > 0)) && { head -n "$DISTILL_LINES" "$WORK/distill.de" >"$WORK/head.de";
                                mv "$WORK/head.de" "$WORK/distill.de"; }
@@ -352,16 +365,16 @@ run_feature() {
 }
 
 run_train() {
-    local left=$((BUDGET_S - SECONDS)) seconds
+    local seconds=$((BUDGET_S - SECONDS))  # all that is left: TRAIN_S was only kept for it
     KEEP_S=0
-    seconds=$((TRAIN_S > 0 && TRAIN_S < left ? TRAIN_S : left))
     if ((seconds < TRAIN_MARGIN_S + 60)); then  # fairseq stops TRAIN_MARGIN_S before the limit
         echo "=== train: skipped, ${seconds} s left (GPU_STEPS=\"distill train\" trains longer) ==="
         STEPS+=("train skipped 0")
         return
     fi
     export WORK OUT PY TRAIN_MARGIN_S
-    step train "${WEIGHT[train]}" "$seconds" "$SELF" --train-drafter "$seconds" "$DEVICE"
+    # the last step, with all that is left (its weight only shares out the steps before it)
+    step train 1 "$seconds" "$SELF" --train-drafter "$seconds" "$DEVICE"
 }
 
 read -r -a ORDER <<<"$GPU_STEPS"
