@@ -43,7 +43,12 @@ class AcceptanceValidation:
         for name, settings in self.settings().items():
             drafts = iterations = 0
             if source is not None:
-                generator = self.task.generator_for(verifier_model, drafter, settings)
+                # no CUDA graphs: the drafter's weights change every epoch (its graphs would
+                # be captured again at every validation), and a capture beside the training's
+                # allocations failed on the H200 (run 6), leaving the RNG in capture mode, so
+                # that the next epoch's dropout stopped the training
+                generator = self.task.generator_for(verifier_model, drafter, settings,
+                                                    capture_graphs=False)  # fmt: skip
                 generator.generate([verifier_model], source)
                 drafts, iterations = generator.stats.accepted_tokens, generator.stats.iterations
             counts[f"_{name}_drafts"] = drafts

@@ -261,16 +261,21 @@ class SpecTranslationTask(TranslationTask):
             drafter.max_source_positions(),
         )
 
-    def generator_for(self, verifier_model, drafter, settings: DecodingSettings):
+    def generator_for(self, verifier_model, drafter, settings: DecodingSettings,
+                      capture_graphs: bool = True):  # fmt: skip
         """The speculative generator for ``settings`` over these models. The verifier's linear
-        layers are packed once per model (verifiers do not change while they decode)."""
+        layers are packed once per model (verifiers do not change while they decode).
+        ``capture_graphs`` False: on CUDA the static loop runs its iterations eagerly."""
         project = self._packed_verifiers.get(verifier_model)
         if project is None:
             project = self._packed_verifiers[verifier_model] = PackedLinears(verifier_model)
         verifier = BlockScorer(verifier_model, temperature=settings.temperature,
                                        project=project)  # fmt: skip
+        static = self._static_loop(verifier_model, verifier, settings)
+        if static is not None and not capture_graphs:  # (a loop whose capture failed stays off)
+            static.capture_graphs = False
         generator = SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings,
-                                         self._static_loop(verifier_model, verifier, settings))
+                                         static)  # fmt: skip
         # (the drafter it runs: none with k = 0)
         self._source_token_limit = self.source_token_limit(verifier_model, generator.drafter)
         return generator

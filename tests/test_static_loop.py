@@ -4,11 +4,13 @@ without drafts and with the cached drafter; its per-token scores are fairseq's (
 hold what a full recomputation gives); its drafts and acceptance are the dynamic loop's; it reads
 the host once per iteration; and what it does not serve goes to the dynamic loop."""
 
+import copy
+
 import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
-from spec_nmt.decoding import host
+from spec_nmt.decoding import host, static_loop
 from spec_nmt.decoding.static_loop import StaticLoop
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DEFAULTS
@@ -143,3 +145,27 @@ def test_a_translators_calls_share_one_static_loop_while_the_weights_stay():
     with torch.no_grad():
         pair.verifier.decoder.layers[0].fc1.weight.add_(0.0)  # a new version, as training makes
     assert pair.generator(block_size=3).static is not first.static
+
+
+def test_drafters_taking_turns_on_one_loop_keep_their_static_forms(pair, sources):
+    """Two drafters decoding in turns at the same settings share the task's loop: each keeps its
+    static form (on CUDA, its graphs) instead of replacing the other's at every batch, until a
+    weight of its own changes; a drafter past MAX_DRAFTERS pushes the oldest out."""
+    generator = pair.generator(block_size=3)
+    loop, real = generator.static, generator.drafter
+    other = copy.copy(real)  # another adapter over the same weights
+    first = loop.drafter_for(real)
+    second = loop.drafter_for(other)
+    assert second is not first
+    assert loop.drafter_for(real) is first and loop.drafter_for(other) is second
+    decode(pair, generator, sources[:3], 1)
+    assert generator.stats.accepted_tokens > 0
+    assert loop.drafter_for(real) is first  # decoding with it kept it
+    with torch.no_grad():
+        real.scorer.model.decoder.layers[0].fc1.weight.add_(0.0)  # a new version
+    assert loop.drafter_for(real) is not first
+    newest = [copy.copy(real) for _ in range(static_loop.MAX_DRAFTERS)]
+    for drafter in newest:
+        loop.drafter_for(drafter)
+    assert all(loop.drafter_for(drafter) is loop.drafter_for(drafter) for drafter in newest)
+    assert id(other) not in loop._drafters

@@ -45,6 +45,10 @@ SOURCE_BUCKET = 16
 # graphs kept per generator (batch sizes x source buckets x k): a file's last, smaller batch
 # makes one of its own
 MAX_GRAPHS = 64
+# drafters kept in their static form, with their graphs: systems that take turns on one loop (a
+# benchmark's oracle and real drafter at the same settings) would otherwise capture every batch
+# again (H200 run 6: 135 captures where 6 did)
+MAX_DRAFTERS = 4
 
 
 class StaticLoop:
@@ -61,7 +65,8 @@ class StaticLoop:
             self.encoder_layers = scripted_layers.ScriptedLayers(encoder.layers, verifier.project)
         self.settings = settings
         self.eos, self.pad, self.unk = eos, pad, unk
-        self._drafter: Optional[Tuple[object, StaticDrafter]] = None
+        # id(drafter) -> (drafter, its static form), the oldest dropped past MAX_DRAFTERS
+        self._drafters: Dict[int, Tuple[object, StaticDrafter]] = {}
         # per batch shape, its tensors and its graph's replay (the oldest dropped past
         # MAX_GRAPHS: each holds its batch's caches on the device)
         self._captured: Dict[Tuple, Tuple[Batch, object]] = {}
@@ -101,13 +106,23 @@ class StaticLoop:
         return has_static_form(drafter)
 
     def drafter_for(self, drafter) -> StaticDrafter:
-        """The static form of ``drafter``, made again for another drafter or when its weights
-        changed (a drafter in training); the graphs captured with the old one go."""
-        if (self._drafter is None or self._drafter[0] is not drafter
-                or not self._drafter[1].current()):  # fmt: skip
-            self._drafter = (drafter, static_drafter(drafter))
-            self._captured.clear()
-        return self._drafter[1]
+        """The static form of ``drafter``, kept per drafter and made again when its weights
+        changed (a drafter in training); the graphs captured with a dropped form go with it."""
+        kept = self._drafters.get(id(drafter))  # (kept drafters stay alive: ids stay theirs)
+        if kept is not None and kept[1].current():
+            return kept[1]
+        if kept is not None:
+            self._forget(self._drafters.pop(id(drafter))[1])
+        if len(self._drafters) >= MAX_DRAFTERS:
+            self._forget(self._drafters.pop(next(iter(self._drafters)))[1])
+        drafts = static_drafter(drafter)
+        self._drafters[id(drafter)] = (drafter, drafts)
+        return drafts
+
+    def _forget(self, drafts: StaticDrafter) -> None:
+        """Drop the graphs captured with this static form."""
+        for key in [key for key in self._captured if key[-1] == id(drafts)]:
+            del self._captured[key]
 
     def decode(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor, longest_limit: int,
                drafter, k: int) -> Dict:  # fmt: skip
