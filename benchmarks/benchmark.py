@@ -48,6 +48,13 @@ accepting exactly a drafts per iteration, and batch size, at a fixed output leng
     python benchmarks/benchmark.py sizes MODEL_DIR --src test.de --lines 16 --batch-sizes 1,8 \
         --oracle-accepts 1,2,3,5 --json benchmarks/results/model-sizes-cpu.json
 
+Where the static loop's time goes at batch 1 (each iteration timed alone, the rest per sentence,
+and the device's work of eager iterations by operation), without drafts, with the oracle and with
+the real drafter at each k:
+
+    python benchmarks/benchmark.py static-cost MODEL_DIR --src test.de --lines 32 --device cuda \
+        --blocks 3,5,10 --json benchmarks/results/static-cost.json
+
 Where decoding makes the host wait for the GPU (CUDA's sync debug mode), per verifier call and
 output token, with the lines that do it:
 
@@ -77,6 +84,7 @@ from host_syncs import host_syncs
 from model_sizes import ARCHITECTURES, model_sizes
 from sampling_speed import sampling, sampling_system
 from speed_quality import run, sweep
+from static_cost import static_cost
 
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
 from spec_nmt.settings import DEFAULTS, REFERENCE_TOP_BETA
@@ -203,6 +211,10 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
     sub.add_argument("--block", type=int, default=DEFAULTS.block_size, help="the real drafter's k")
     sub.add_argument("--batch-sizes", type=comma_list(int), default=[1, 32],
                      help="batch sizes to measure")
+    sub = mode("static-cost", static_cost, "where the static loop's time goes at batch 1")
+    reference_rule(sub, "the oracle")
+    sub.add_argument("--blocks", type=comma_list(int), default=[3, 5, 10],
+                     help="the real drafter's k, each a system")
     sub = mode("sizes", model_sizes, "speed by verifier size, accepted drafts and batch size")
     sub.add_argument("--sizes", type=comma_list(str), default=["bundled", *ARCHITECTURES],
                      help=f"verifiers: bundled, and random ones of {', '.join(ARCHITECTURES)}")

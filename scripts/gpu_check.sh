@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check: the CUDA tests (tests/test_cuda.py), the host synchronisations of decoding
-# (benchmarks/benchmark.py syncs), the GPU benchmark (benchmark.py ceiling on newstest2014:
-# fp32 at batch 1 and at 8, 32, 128, fp16 at batch 1; the static loop captured as CUDA graphs
-# beside the dynamic loop, stock fairseq greedy and beam 5, and the oracle), the model-size
-# table (benchmark.py sizes), the verifier's greedy translations of the training sources for the
-# drafter's next training (distill) and, given its data, the bundled drafter trained on, in one
-# run of at most BUDGET_S seconds (560; the device call's timeout is 600), writing gpu_check.log,
-# gpu_check.json, tests.xml and headline.json (benchmark.py --headline) into $OUT, with distill: distill-greedy.en.xz, with training:
-# train_drafter.log, drafter-best.pt and drafter-last.pt (compact fp16, as in a model directory).
+# (benchmarks/benchmark.py syncs), where the static loop's time goes (benchmark.py static-cost),
+# the GPU benchmark (benchmark.py ceiling on newstest2014: fp32 at batch 1 and at 8, 32, 128, fp16
+# at batch 1; the static loop captured as CUDA graphs beside the dynamic loop, stock fairseq
+# greedy and beam 5, and the oracle), the model-size table (benchmark.py sizes), the verifier's
+# greedy translations of the training sources for the drafter's next training (distill) and,
+# given its data, the bundled drafter trained on, in one run of at most BUDGET_S seconds (560;
+# the device call's timeout is 600), writing gpu_check.log, gpu_check.json, tests.xml and
+# headline.json (benchmark.py --headline) into $OUT, with distill: distill-greedy.en.xz, with
+# training: train_drafter.log, drafter-best.pt and drafter-last.pt (compact fp16, as in a model
+# directory).
 #
 # 1. Here, once (pip and ../shared/data needed):
 #        scripts/gpu_check.sh --prepare [DRAFTER_DATA_BIN]
@@ -34,11 +36,13 @@
 # (pytest -k of the CUDA tests; empty: all), SYNC_LINES (lines of the syncs count), BATCH1_LINES
 # and BATCHED_LINES (benchmark lines at batch 1 and at the other batch sizes), BENCH_RUNS (the
 # benchmark runs, as the runs list in run_bench), BENCH_FLAGS (the systems the benchmark adds to
-# its own; default: beam 5, k = 2, 5, 10, top-beta 5:3:1, no phase run), SYNC_SIZES, SIZE_LINES and SIZE_BATCHES (the model-size
-# table), DISTILL_LINES (0: all), TRAIN_S (the seconds the steps before training leave it,
-# exports included; it then takes all that is left; 0: their shares decide), BUDGET_S. GPU_STEPS lists the steps in the order they run
-# (default "tests syncs bench sizes distill feature train"; feature needs the prepared feature
-# drafter, train the prepared drafter data).
+# its own; default: beam 5, k = 2, 5, 10, top-beta 5:3:1, no phase run), SYNC_SIZES, COST_LINES
+# (lines of the static loop's cost), SIZE_LINES and SIZE_BATCHES (the model-size table),
+# DISTILL_LINES (0: all), DRAFTER_FLAGS (fairseq-train flags the train step adds, e.g.
+# "--glance-ratio 0.5"), TRAIN_S (the seconds the steps before training leave it, exports
+# included; it then takes all that is left; 0: their shares decide), BUDGET_S. GPU_STEPS lists
+# the steps in the order they run (default "tests syncs cost bench sizes distill feature train";
+# feature needs the prepared feature drafter, train the prepared drafter data).
 # CTranslate2 has no CUDA row: the image has no ctranslate2, and its wheels link CUDA 12's cuBLAS
 # (libcublas.so.12), which the CUDA 13 image lacks and which (hundreds of MB) cannot travel.
 set -uo pipefail
@@ -108,6 +112,8 @@ train_drafter() {
     # validated by its acceptance; then the best and the last exported as compact fp16 files.
     local seconds=$1 device=$2 save=$WORK/drafter start=$WORK/drafter-start.pt
     local verifier=$MODEL_DIR/verifier.pt which stop_hours flags=(--eval-acceptance-sentences 500)
+    local -a TRAIN_FLAGS
+    read -r -a TRAIN_FLAGS <<<"${DRAFTER_FLAGS:-}"  # e.g. "--glance-ratio 0.5", last: they win
     if [[ -d $DRAFTER_DATA ]]; then  # the carried data, unpacked
         mkdir -p "$WORK/drafter-data"
         for file in "$DRAFTER_DATA"/*.xz; do
@@ -140,7 +146,7 @@ print((previous + max(int(sys.argv[2]), 1)) / 3600)' "$start" "$((seconds - TRAI
         --on-policy-weight 1 --lr 3e-4 --warmup-updates 100 --seed 2 --max-epoch 100 \
         --stop-time-hours "$stop_hours" --validate-interval-updates 0 --save-interval-updates 0 \
         --eval-acceptance-verifier "$verifier" --best-checkpoint-metric accepted_lossless \
-        --maximize-best-checkpoint-metric --required-batch-size-multiple 1 \
+        --maximize-best-checkpoint-metric --required-batch-size-multiple 1 "${TRAIN_FLAGS[@]}" \
         >"$OUT/train_drafter.log" 2>&1
     echo "train_drafter: fairseq-train exited $?," \
         "$(grep -c "valid on 'valid'" "$OUT/train_drafter.log") validations"
@@ -191,6 +197,7 @@ case $MODE in
     BATCH1_LINES=${BATCH1_LINES:-2} BATCHED_LINES=${BATCHED_LINES:-4}
     BATCHED_SIZES=2,4 WARMUP_LINES=1 BUDGET_S=${BUDGET_S:-2400} TRAIN_S=${TRAIN_S:-600}
     SIZE_LINES=${SIZE_LINES:-2} SIZE_BATCHES=1,2 SIZE_LENGTH=8 DISTILL_LINES=${DISTILL_LINES:-20}
+    COST_LINES=${COST_LINES:-3}
     TEST_FILTER=${TEST_FILTER-lossless or captured or replay or static or sync}
     ;;
 gpu)
@@ -208,6 +215,7 @@ gpu)
     BATCH1_LINES=${BATCH1_LINES:-100} BATCHED_LINES=${BATCHED_LINES:-128}
     BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-560} TRAIN_S=${TRAIN_S:-180}
     SIZE_LINES=${SIZE_LINES:-16} SIZE_BATCHES=1,8,32 SIZE_LENGTH=32 DISTILL_LINES=${DISTILL_LINES:-0}
+    COST_LINES=${COST_LINES:-32}
     ;;
 *)
     echo "usage: $0 [--prepare [DRAFTER_DATA_BIN] | --dry-run]" >&2
@@ -243,7 +251,7 @@ nvidia-smi || echo "nvidia-smi: none here"
     "available", torch.cuda.is_available(), "fairseq", fairseq.__version__)' ||
     { echo "gpu_check: torch or fairseq does not import"; exit 1; }
 
-GPU_STEPS=${GPU_STEPS:-tests syncs bench sizes distill feature train}
+GPU_STEPS=${GPU_STEPS:-tests syncs cost bench sizes distill feature train}
 if [[ ! -f $FEATURE_CARRIED ]]; then
     [[ " $GPU_STEPS " == *" feature "* ]] &&
         echo "gpu_check: no feature step: $FEATURE_CARRIED is missing (FEATURE_DRAFTER=... --prepare)"
@@ -268,8 +276,8 @@ TRAIN_MARGIN_S=$([[ $MODE == gpu ]] && echo 90 || echo 0)
 
 # each step's weight: about the seconds it takes on an H200 (runs 4 and 5); a step gets its
 # weight's share of the seconds left, against the weights of the steps after it (LATER_WEIGHT)
-declare -A WEIGHT=([tests]=90 [syncs]=25 [bench]=240 [sizes]=70 [distill]=60 [feature]=60
-                   [train]=200)
+declare -A WEIGHT=([tests]=90 [syncs]=25 [cost]=40 [bench]=240 [sizes]=70 [distill]=60
+                   [feature]=60 [train]=200)
 ((KEEP_S > 0)) && WEIGHT[train]=0  # its seconds are kept: the shares are of the others'
 step() {  # step NAME WEIGHT CAP COMMAND...: WEIGHT / (WEIGHT + LATER_WEIGHT) of the seconds left,
     # and at most CAP if > 0
@@ -333,6 +341,14 @@ run_bench() {
     done
 }
 
+run_cost() {
+    # where the static loop's time goes at batch 1: iterations timed alone, per-sentence work,
+    # the device's work of eager iterations by operation (no drafts, the oracle, k = 3, 5, 10)
+    step cost "${WEIGHT[cost]}" 0 "$PY" benchmarks/benchmark.py static-cost "$MODEL_DIR" \
+        --src "$CARRY/data/test.de" --lines "$COST_LINES" --device "$DEVICE" --blocks 3,5,10 \
+        --warmup-lines 2 --json "$WORK/static-cost.json"
+}
+
 run_sizes() {
     # speed by verifier size (bundled, random transformer-base and -big), accepted drafts and
     # batch size
@@ -385,8 +401,8 @@ for index in "${!ORDER[@]}"; do
         LATER_WEIGHT=$((LATER_WEIGHT + ${WEIGHT[$later_step]:-0}))
     done
     case $name in
-    tests | syncs | bench | sizes | distill | feature | train) "run_$name" ;;
-    *) echo "gpu_check: unknown step $name in GPU_STEPS (tests, syncs, bench, sizes, distill, feature, train)" ;;
+    tests | syncs | cost | bench | sizes | distill | feature | train) "run_$name" ;;
+    *) echo "gpu_check: unknown step $name in GPU_STEPS (tests, syncs, cost, bench, sizes, distill, feature, train)" ;;
     esac
 done
 
@@ -417,6 +433,8 @@ for path in sorted(work.glob("bench-*.json")):
     summary["benchmarks"][path.stem] = json.loads(path.read_text())
 if (work / "sizes.json").exists():
     summary["sizes"] = json.loads((work / "sizes.json").read_text())
+if (work / "static-cost.json").exists():
+    summary["static_cost"] = json.loads((work / "static-cost.json").read_text())
 if (out / "train_drafter.log").exists():
     sys.path.insert(0, "scripts")
     from learning_curve import validations  # the model cards' reader of fairseq-train logs
@@ -443,6 +461,10 @@ if summary["syncs"]:
               f" per verifier call  {row['syncs_per_output_token']:>6} per token")
 for row in summary["training"] or []:
     print("drafter training: " + ", ".join(f"{key} {value:g}" for key, value in row.items()))
+for row in (summary.get("static_cost") or {}).get("rows", []):
+    print(f"static cost: {row['system']:<18} {row['tokens_per_iteration']:>6} tokens/iteration"
+          f"  {row['ms_per_iteration']:>7} ms/iteration  {row['ms_per_sentence_outside']:>7}"
+          f" ms/sentence outside  eager device {row['eager_device_ms_per_iteration']} ms/iteration")
 for row in (summary.get("sizes") or {}).get("rows", []):
     print(f"sizes: {row['size']:<8} batch {row['batch_size']:>3}  {row['system']:<42}"
           f" {row['ms_per_output_token']:>8} ms/token  x{row['speedup_vs_greedy']}"

@@ -164,6 +164,74 @@ def test_the_loss_scores_only_the_labelled_masks_and_equals_scoring_all(toy, dra
         assert logged[f"first{n}_count"] == int(leading[:, n - 1].sum())
 
 
+def test_glancing_shows_the_labels_of_wrong_drafts_and_scores_the_other_masks(toy):
+    """--glance-ratio 1 (cached drafter): a first pass drafts; each block then shows as many
+    labels, in place of its masks, as it had wrong drafts, and the loss is the second pass's over
+    the masks left. The metrics are the first pass's (one-pass drafting)."""
+    (drafter,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(toy["cached_drafter"])], arg_overrides={"data": str(toy["bin"])}
+    )
+    for module in drafter.modules():  # training mode (glancing runs only there), no dropout
+        if isinstance(getattr(module, "p", None), float):
+            module.p = 0.0
+    drafter.train()
+    task.load_dataset("valid")
+    dataset = task.dataset("valid")
+    sample = dataset.collater([dataset[i] for i in range(16)])
+    batch = task.drafter_sample(sample, drafter, torch.Generator().manual_seed(0))
+    target, pad = batch["target"], task.target_dictionary.pad()
+    is_label = target.ne(pad)
+    calls = []
+    forward = drafter.forward
+    drafter.forward = lambda **net_input: calls.append(net_input) or forward(**net_input)
+    criterion = SpecDrafterLoss(task, label_smoothing=0.1, report_first_n=BLOCK_SIZE,
+                                glance_ratio=1.0)  # fmt: skip
+    loss, sample_size, logged = criterion(drafter, batch)
+    drafter.forward = forward
+    first, second = calls[0]["prev_output_tokens"], calls[1]["shown_tokens"]
+    assert calls[1]["prev_output_tokens"] is first  # (the blocks' layout)
+    mask = drafter.decoder.mask_idx
+    with torch.no_grad():
+        every, _ = drafter(**batch["net_input"])  # the one pass, every mask
+    right = every.argmax(dim=-1).eq(target)
+    wrong = (is_label & ~right).sum(dim=1)
+    assert wrong.sum() > 0 and (right & is_label).sum() > 0
+    changed = first.ne(second)
+    assert first[changed].eq(mask).all()  # only masks were replaced, by their labels
+    block_input = second[first.eq(mask)].view_as(target)  # each label's mask slot, in order
+    shown_labels = block_input.ne(mask)
+    assert shown_labels.sum(dim=1).tolist() == wrong.tolist()
+    assert (shown_labels & ~is_label).sum() == 0
+    assert block_input[shown_labels].tolist() == target[shown_labels].tolist()
+    left = is_label & ~shown_labels
+    with torch.no_grad():
+        shown_net_input = dict(batch["net_input"], shown_tokens=second)
+        logits, _ = drafter(**shown_net_input)
+    lprobs = torch.log_softmax(logits.float(), dim=-1)
+    expected, _ = label_smoothed_nll_loss(lprobs[left], target[left], 0.1, ignore_index=pad)
+    torch.testing.assert_close(loss.detach(), expected)
+    assert sample_size == int(left.sum())
+    assert logged["n_correct"] == int((right & is_label).sum())
+    leading = (right | ~is_label).long().cumprod(dim=1)
+    assert logged["first1_count"] == int(leading[:, 0].sum())
+
+
+def test_glancing_a_spec_drafter_is_refused_in_one_line(toy):
+    task, drafter = load_toy_drafter(toy)
+    task.load_dataset("valid")
+    dataset = task.dataset("valid")
+    batch = task.drafter_sample(dataset.collater([dataset[0]]), drafter)
+    criterion = SpecDrafterLoss(task, label_smoothing=0.1, report_first_n=3, glance_ratio=0.5)
+    with pytest.raises(SpecNmtError, match=r"^--glance-ratio trains the cached drafter only"):
+        criterion(drafter.train(), batch)
+
+
+def test_a_glance_ratio_outside_zero_to_one_is_refused_in_one_line():
+    task = argparse.Namespace(target_dictionary=Dictionary())
+    with pytest.raises(SpecNmtError, match=r"--glance-ratio must lie in \[0, 1\], got -0.5"):
+        SpecDrafterLoss(task, label_smoothing=0.1, report_first_n=3, glance_ratio=-0.5)
+
+
 class FixedDrafter(torch.nn.Module):
     """Hands the criterion fixed logits [rows, k, V] for the masks it asks to score."""
 
