@@ -83,7 +83,9 @@ def parse_args(argv=None):
         "warning when the input is not UTF-8 but reads as Latin-1)",
     )  # fmt: skip
     parser.add_argument(
-        "--drafter-path", default=None, help="drafter checkpoint instead of MODEL_DIR/drafter.pt"
+        "--drafter-path", default=None,
+        help="drafter checkpoint instead of the model directory's (MODEL_DIR/drafter.DEVICE.pt "
+        "where it holds one for the device, e.g. drafter.cuda.pt, else MODEL_DIR/drafter.pt)"
     )
     for name in SETTING_FLAGS:
         default = getattr(DEFAULTS, name)
@@ -354,6 +356,7 @@ def report(translator, totals: Totals, args) -> None:
         f"{stats.mean_accepted_per_iteration:.2f} accepted drafts per iteration "
         f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted in "
         f"{stats.iterations} iterations)",
+        f"drafter: {translator.drafter_path}",
         f"{speed}, {counted(torch.get_num_threads(), 'CPU thread')}",
         f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
         "log-probability per output token, EOS included, in nats)",

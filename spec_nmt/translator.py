@@ -50,12 +50,21 @@ logger = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 64
 
 
+def device_drafter(model_dir: Path, device: str) -> Path:
+    """The model directory's drafter for this device: ``drafter.DEVICE.pt`` (drafter.cuda.pt,
+    drafter.cpu.pt) where the directory holds one, the drafter that measured fastest there; else
+    ``drafter.pt``."""
+    own = model_dir / f"drafter.{torch.device(device).type}.pt"
+    return own if own.is_file() else model_dir / "drafter.pt"
+
+
 class SpecTranslator:
     """A verifier, a drafter (Spec-Drafter, cached or autoregressive), their dictionaries and the
     sentencepiece model, loaded once; each call decodes with the settings it is given."""
 
     def __init__(self, task: SpecTranslationTask, verifier, drafter, spm_model,
-                 settings: DecodingSettings, seeded: bool = False):  # fmt: skip
+                 settings: DecodingSettings, seeded: bool = False,
+                 drafter_path: Optional[Path] = None):  # fmt: skip
         self.task = task
         self.verifier = verifier
         self.drafter = drafter
@@ -63,6 +72,7 @@ class SpecTranslator:
         self.settings = settings  # every call's defaults
         # whether settings.seed was chosen: without a seed, each sample() call draws its own
         self.seeded = seeded
+        self.drafter_path = drafter_path  # the file the drafter came from (--stats names it)
         self.src_dict, self.tgt_dict = task.source_dictionary, task.target_dictionary
         self.max_source_tokens = task.source_token_limit(verifier, drafter)
         self.statistics: List[Dict] = []
@@ -83,8 +93,9 @@ class SpecTranslator:
         threads: int = DEFAULT_THREADS,
         **settings,
     ) -> "SpecTranslator":
-        """Load ``model_dir`` (and ``drafter_path`` instead of its drafter.pt) onto ``device``
-        (default: CUDA when available) in ``dtype`` (torch.float16: as fairseq's --fp16);
+        """Load ``model_dir`` onto ``device`` (default: CUDA when available) with its drafter
+        for that device (``device_drafter``), or ``drafter_path`` instead, in ``dtype``
+        (torch.float16: as fairseq's --fp16);
         ``drafter_precision`` (auto, fp32, int8) is the task's ``--drafter-precision``.
         ``settings`` are the defaults of every call. fairseq's and spec_nmt's INFO lines
         (dictionary sizes, loading) go to the log only when ``verbose``; warnings always do.
@@ -96,7 +107,8 @@ class SpecTranslator:
         for name in ("fairseq", "spec_nmt"):
             logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
         model_dir = Path(model_dir)
-        drafter_path = Path(drafter_path) if drafter_path else model_dir / "drafter.pt"
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        drafter_path = Path(drafter_path) if drafter_path else device_drafter(model_dir, device)
         needed = ["verifier.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt", "spm.model"]
         for path in [model_dir / name for name in needed] + [drafter_path]:
             if not path.is_file():
@@ -111,12 +123,12 @@ class SpecTranslator:
         )  # fmt: skip
         task = SpecTranslationTask.setup_task(cfg)
         verifier = _load_verifier(model_dir / "verifier.pt", task)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         verifier = verifier.to(device=device, dtype=dtype).eval()
         drafter = load_drafter(task, str(drafter_path), verifier)
         spm_model = _load_sentencepiece(model_dir / "spm.model", task.source_dictionary,
                                         model_dir / f"dict.{source_lang}.txt")  # fmt: skip
-        return cls(task, verifier, drafter, spm_model, defaults, seeded="seed" in settings)
+        return cls(task, verifier, drafter, spm_model, defaults, seeded="seed" in settings,
+                   drafter_path=drafter_path)  # fmt: skip
 
     @property
     def device(self) -> torch.device:

@@ -59,6 +59,7 @@ def test_stats_of_a_drafting_run_count_the_accepted_drafts(capsys, tmp_path):
     out, err = run_main(capsys, "--input", path, "--batch-size", 1, "--stats")
     assert len(out) == len(LINES)
     assert "drafting on: --verify top_beta, --block-size 3" in err
+    assert f"stats: drafter: {BUNDLED_MODEL_DIR / 'drafter.pt'}" in err
     accepted = float(re.search(r"stats: ([0-9.]+) accepted drafts per iteration", err).group(1))
     assert accepted > 0
     out, err = run_main(capsys, "--input", path, "--block-size", 0, "--stats", "--quiet")

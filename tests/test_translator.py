@@ -126,6 +126,24 @@ def test_a_missing_model_file_is_named(tmp_path):
         SpecTranslator.from_pretrained(tmp_path)
 
 
+def test_a_model_directory_may_hold_a_drafter_for_the_device(tmp_path):
+    """drafter.DEVICE.pt (the one measured fastest there) wins over drafter.pt on that device
+    only; --drafter-path over both."""
+    for name in ("verifier.pt", "dict.de.txt", "dict.en.txt", "spm.model", "drafter.pt"):
+        (tmp_path / name).symlink_to(BUNDLED_MODEL_DIR / name)
+    assert SpecTranslator.from_pretrained(tmp_path, device="cpu").drafter_path == (
+        tmp_path / "drafter.pt")
+    (tmp_path / "drafter.cuda.pt").symlink_to(BUNDLED_MODEL_DIR / "drafter.pt")
+    assert SpecTranslator.from_pretrained(tmp_path, device="cpu").drafter_path.name == "drafter.pt"
+    (tmp_path / "drafter.cpu.pt").symlink_to(BUNDLED_MODEL_DIR / "drafter.pt")
+    pair = SpecTranslator.from_pretrained(tmp_path, device="cpu")
+    assert pair.drafter_path == tmp_path / "drafter.cpu.pt"
+    assert pair.translate("Guten Morgen.") == SpecTranslator.from_pretrained(
+        BUNDLED_MODEL_DIR, device="cpu").translate("Guten Morgen.")
+    chosen = SpecTranslator.from_pretrained(tmp_path, tmp_path / "drafter.pt", device="cpu")
+    assert chosen.drafter_path == tmp_path / "drafter.pt"
+
+
 def int8_layer_names(model):
     return {name for name, module in model.named_modules()
             if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)}  # fmt: skip
