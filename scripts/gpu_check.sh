@@ -39,7 +39,7 @@
 # its own; default: beam 5, k = 2, 5, 10, top-beta 5:3:1, no phase run), SYNC_SIZES, COST_LINES
 # (lines of the static loop's cost), SIZE_LINES and SIZE_BATCHES (the model-size table),
 # DISTILL_LINES (0: all), DRAFTER_FLAGS (fairseq-train flags the train step adds, e.g.
-# "--glance-ratio 0.5"), TRAIN_S (the seconds the steps before training leave it, exports
+# "--lr 1e-4"), TRAIN_S (the seconds the steps before training leave it, exports
 # included; it then takes all that is left; 0: their shares decide), BUDGET_S. GPU_STEPS lists
 # the steps in the order they run (default "tests syncs cost bench sizes distill feature train";
 # feature needs the prepared feature drafter, train the prepared drafter data).
@@ -113,7 +113,7 @@ train_drafter() {
     local seconds=$1 device=$2 save=$WORK/drafter start=$WORK/drafter-start.pt
     local verifier=$MODEL_DIR/verifier.pt which stop_hours flags=(--eval-acceptance-sentences 500)
     local -a TRAIN_FLAGS
-    read -r -a TRAIN_FLAGS <<<"${DRAFTER_FLAGS:-}"  # e.g. "--glance-ratio 0.5", last: they win
+    read -r -a TRAIN_FLAGS <<<"${DRAFTER_FLAGS:-}"  # e.g. "--lr 1e-4", last: they win
     if [[ -d $DRAFTER_DATA ]]; then  # the carried data, unpacked
         mkdir -p "$WORK/drafter-data"
         for file in "$DRAFTER_DATA"/*.xz; do

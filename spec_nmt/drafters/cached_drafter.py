@@ -62,13 +62,10 @@ class CachedDrafterDecoder(TransformerDecoderBase):
             raise ValueError(f"the drafter's dictionary has no {MASK_SYMBOL} symbol")
         self.mask_idx = dictionary.index(MASK_SYMBOL)
 
-    def forward(self, prev_output_tokens, encoder_out=None, cuts=None, scored=None,
-                shown_tokens=None, **unused):  # fmt: skip
+    def forward(self, prev_output_tokens, encoder_out=None, cuts=None, scored=None, **unused):
         """prev_output_tokens [B, P + M*k]: BOS + target prefix (right-padded), then M blocks of
         k masks; cuts [B, M]. Returns (logits [B*M, k, V] at the masks, extra); with ``scored``
-        [B*M, k] bool, logits [n, V] of the n masks it marks only. ``shown_tokens``: the input
-        embedded in place of prev_output_tokens (which still lays out the blocks), some masks
-        replaced by their labels (glancing training)."""
+        [B*M, k] bool, logits [n, V] of the n masks it marks only."""
         if cuts is None:
             raise ValueError("the cached drafter's decoder needs the cut points of its mask blocks")
         blocks = cuts.size(1)
@@ -78,8 +75,7 @@ class CachedDrafterDecoder(TransformerDecoderBase):
         block_size = masks // blocks
         prefix_width = prev_output_tokens.size(1) - masks
         positions = cut_positions(prefix_width, cuts, block_size)
-        embedded = prev_output_tokens if shown_tokens is None else shown_tokens
-        x = block_forward.embed(self, embedded, positions)
+        x = block_forward.embed(self, prev_output_tokens, positions)
         bias = block_forward.additive_mask(cut_visibility(prefix_width, cuts, block_size), x.dtype)
 
         def self_attention(_layer: int):
@@ -164,11 +160,10 @@ class CachedDrafterModel(SpecDrafterModel):
         return self
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, cuts=None, scored=None,
-                shown_tokens=None, **unused):  # fmt: skip
+                **unused):  # fmt: skip
         with torch.no_grad():
             encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
-        return self.decoder(prev_output_tokens, encoder_out, cuts=cuts, scored=scored,
-                            shown_tokens=shown_tokens)  # fmt: skip
+        return self.decoder(prev_output_tokens, encoder_out, cuts=cuts, scored=scored)
 
     def check_verifier_matches(self, verifier_model) -> None:
         """Refuse a verifier whose encoder is not the copy this drafter was trained with."""
