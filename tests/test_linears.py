@@ -129,6 +129,20 @@ def test_a_machines_choice_is_timed_once_then_read_back(monkeypatch, tmp_path):
     assert recorded == {linears._machine(): {"8x4": 16, "4x8": 16}}
 
 
+def test_a_choice_recorded_from_other_timed_row_counts_is_timed_again(monkeypatch, tmp_path):
+    """Records made when fewer row counts were timed (before 2 and 3 were: blocks of k = 1, 2
+    ran MKL's slower product on the AMD EPYC) are not read: the shape is timed again."""
+    monkeypatch.setattr(linears, "CHOICES_FILE", tmp_path / "kernels.json")
+    monkeypatch.setattr(linears, "TIMED_ROWS", (1, 4, 16, 64))
+    stale = linears._machine()
+    monkeypatch.setattr(linears, "TIMED_ROWS", (1, 2, 3, 4, 16, 64))
+    (tmp_path / "kernels.json").write_text(json.dumps({stale: {"8x4": 4}}))
+    timed = []
+    monkeypatch.setattr(linears, "_timed_packed_from",
+                        lambda outputs, inputs: timed.append((outputs, inputs)) or 2)
+    assert linears._packed_from(8, 4) == 2 and timed == [(8, 4)]
+
+
 @needs_onednn
 def test_timing_the_kernels_leaves_the_random_state_alone():
     state = torch.get_rng_state()

@@ -34,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 # the row count oneDNN lays the weight out for; the layout serves 1 to 320 rows alike
 PACKING_ROWS = 64
-# the row counts a weight shape is timed at, both ways; past the last one its choice holds
-TIMED_ROWS = (1, 4, 16, 64)
+# the row counts a weight shape is timed at, both ways; past the last one its choice holds. 2 and
+# 3 are blocks of k = 1 and 2: timed from 4 only, they ran MKL's product on the AMD EPYC, 1.4-1.9
+# times slower there than the packed one (a k = 2 iteration cost more than a k = 3 one)
+TIMED_ROWS = (1, 2, 3, 4, 16, 64)
 NEVER = 1 << 62  # the packed-from row count of a shape whose packed product never won
 # where each machine's choices are kept (per CPU model, torch version and thread count)
 CHOICES_FILE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spec-nmt" / (
@@ -180,7 +182,8 @@ def _packed_from(outputs: int, inputs: int) -> int:
 
 
 def _machine() -> str:
-    """What the choice depends on: the CPU model, torch's version and its thread count."""
+    """What the choice depends on: the CPU model, torch's version and its thread count (and
+    the row counts timed: a record timed at others is timed again)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
@@ -189,7 +192,8 @@ def _machine() -> str:
         model = names[0] if names else model
     except OSError:
         pass
-    return f"{model} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    rows = ",".join(map(str, TIMED_ROWS))
+    return f"{model} | torch {torch.__version__} | {torch.get_num_threads()} threads | rows {rows}"
 
 
 def _recorded_choices() -> Dict[str, Dict[str, int]]:
