@@ -6,14 +6,13 @@ Then torch's profiler times the device's work of a few eager iterations per syst
 operations that take the most device time, and their sum against an iteration's time, which
 says whether an iteration is bound by its kernels or by launching them."""
 
-import time
-
 import spec_nmt  # noqa: F401  isort: skip  (first: it imports fairseq without its INFO hints)
 import torch
 from common import (
     environment,
     greedy_alone,
     load_inputs,
+    now,
     oracle,
     speculating,
     table,
@@ -26,13 +25,6 @@ from spec_nmt.decoding.loop import DecodingStats
 TOP_OPERATIONS = 12
 # eager iterations the profiler sees per system
 PROFILED_ITERATIONS = 20
-
-
-def finished() -> float:
-    """time.perf_counter() once the device has done what was queued."""
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 class IterationTimer:
@@ -52,9 +44,9 @@ class IterationTimer:
         batch, step = self._batch(*args, **kwargs)
 
         def timed():
-            start = finished()
+            start = now()
             step()
-            self.seconds += finished() - start
+            self.seconds += now() - start
             self.count += 1
 
         return batch, timed
@@ -77,8 +69,9 @@ def decode(pair, generator, tokens):
 
 
 def profiled(pair, generator, tokens, device_type: str):
-    """(device seconds per iteration, the top operations by device time) over eager iterations
-    of the static loop (its graph's kernels, launched one by one)."""
+    """(device seconds per iteration, the top operations by device time, profiled operations per
+    iteration) over eager iterations of the static loop (its graph's kernels, launched one by
+    one)."""
     static = generator.static
     captured, static.capture_graphs = static.capture_graphs, False
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -86,10 +79,8 @@ def profiled(pair, generator, tokens, device_type: str):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     generator.stats = DecodingStats()
     with torch.profiler.profile(activities=activities) as profile:
-        used = []
         for line in tokens:  # whole sentences until PROFILED_ITERATIONS iterations
             decode(pair, generator, [line])
-            used.append(line)
             if generator.stats.iterations >= PROFILED_ITERATIONS:
                 break
     static.capture_graphs = captured
@@ -116,9 +107,9 @@ def static_cost(args):
         decode(pair, generator, tokens[: args.warmup_lines])  # captures, untimed
         timer = IterationTimer(generator.static)
         generator.stats = DecodingStats()
-        start = finished()
+        start = now()
         decode(pair, generator, tokens)
-        seconds = finished() - start
+        seconds = now() - start
         timer.stop()
         stats = generator.stats
         device_seconds, top, operations = profiled(pair, generator, tokens, device_type)
