@@ -52,6 +52,12 @@ def speculating(pair: SpecTranslator, **settings) -> SpeculativeGenerator:
     return pair.generator(max_draft_batch=0, **settings)
 
 
+def other_loop(pair: SpecTranslator) -> str:
+    """The decoding loop the defaults do not take on the pair's device (``--decoding-loop
+    auto``: static on a GPU, dynamic on the CPU), timed beside them."""
+    return "dynamic" if pair.device.type == "cuda" else "static"
+
+
 def defaults(pair: SpecTranslator) -> SpeculativeGenerator:
     """The generator with every setting at its default, as ``make translate`` decodes."""
     return pair.generator()
@@ -314,9 +320,9 @@ def greedy_alone(pair, tokens):
     return decode_all(pair, {"greedy": fairseq_generator(pair, 1)}, tokens, 1)["greedy"]["tokens"]
 
 
-def oracle(pair, tokens, alone, block: int) -> SpeculativeGenerator:
+def oracle(pair, tokens, alone, block: int, **settings) -> SpeculativeGenerator:
     """Lossless decoding with the OracleDrafter of these sentences' greedy translations."""
-    generator = speculating(pair, block_size=block)
+    generator = speculating(pair, block_size=block, **settings)
     continuations = {tuple(t.tolist()): out for t, out in zip(tokens, alone)}
     generator.drafter = OracleDrafter(continuations, pair.tgt_dict,
                                       pair.verifier.decoder.max_positions())  # fmt: skip

@@ -83,11 +83,11 @@ class SyncCounter:
 def sync_systems(args, pair):
     """fairseq greedy, the drafter-less loop and drafting in every batch at --block (at batch 1
     the defaults' decoding; in batches the defaults decode as the drafter-less loop), on the
-    static loop and on the dynamic one."""
+    static loop (the default on a GPU) and on the dynamic one."""
     drafting = f"spec lossless, drafting in every batch, k={args.block}"
     return {"fairseq greedy": fairseq_generator(pair, 1),
-            "spec-nmt greedy (no drafts)": pair.generator(block_size=0),
-            drafting: speculating(pair, block_size=args.block),
+            "spec-nmt greedy (no drafts)": pair.generator(block_size=0, decoding_loop="static"),
+            drafting: speculating(pair, block_size=args.block, decoding_loop="static"),
             "spec-nmt greedy (no drafts), dynamic loop": pair.generator(
                 block_size=0, decoding_loop="dynamic"),
             f"{drafting}, dynamic loop": speculating(pair, block_size=args.block,

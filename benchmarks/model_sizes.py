@@ -17,6 +17,7 @@ from common import (
     environment,
     load_inputs,
     oracle,
+    other_loop,
     speculating,
     table,
     write_result,
@@ -57,9 +58,10 @@ def fixed_length_greedy(pair: SpecTranslator, length: int) -> SequenceGenerator:
 
 
 def size_systems(args, pair, tokens, alone, size):
+    other = other_loop(pair)
     systems = {"fairseq greedy": fixed_length_greedy(pair, args.output_length),
-               "spec-nmt greedy (no drafts), dynamic loop": pair.generator(
-                   block_size=0, decoding_loop="dynamic"),
+               f"spec-nmt greedy (no drafts), {other} loop": pair.generator(
+                   block_size=0, decoding_loop=other),
                "spec-nmt greedy (no drafts)": pair.generator(block_size=0)}  # fmt: skip
     for accepted in args.oracle_accepts:
         if accepted:

@@ -55,10 +55,11 @@ class IterationTimer:
 def cost_systems(args, pair, tokens, alone):
     """The drafter-less static loop, the oracle at --block and the real drafter at each of
     --blocks, all lossless at batch 1 (drafting for every batch)."""
-    systems = {"no drafts": pair.generator(block_size=0),
-               f"oracle k={args.block}": oracle(pair, tokens, alone, args.block)}  # fmt: skip
+    static = {"decoding_loop": "static"}  # (the CPU's default loop is the dynamic one)
+    systems = {"no drafts": pair.generator(block_size=0, **static),
+               f"oracle k={args.block}": oracle(pair, tokens, alone, args.block, **static)}
     for block in args.blocks:
-        systems[f"real drafter k={block}"] = speculating(pair, block_size=block)
+        systems[f"real drafter k={block}"] = speculating(pair, block_size=block, **static)
     return systems
 
 

@@ -138,12 +138,15 @@ class DecodingSettings:
         "sampling rules, no limit for a relaxed --beta/--tau)")})
     # The static loop (decoding/static_loop.py) removes the host's waits and, on CUDA, replays
     # each iteration as one captured graph; it serves top_beta chains with the cached drafter or
-    # none, and every other batch decodes on the dynamic loop. Both give the same tokens.
-    decoding_loop: str = field(default="static", metadata={"help": (
+    # none, and every other batch decodes on the dynamic loop. Both give the same tokens. auto
+    # picks by device: on the CPU, where a host read costs nothing, the dynamic loop ran 4-5 %
+    # faster with drafts in five runs on two CPUs and tied without (BENCHMARKS.md, "The loop").
+    decoding_loop: str = field(default="auto", metadata={"help": (
         "static: preallocated caches, acceptance on the device and one host read per "
         "iteration (captured as a CUDA graph on a GPU), for the top_beta rule with chains of "
         "drafts; other rules and draft shapes decode on the dynamic loop. dynamic: always the "
-        "dynamic loop (same output)")})
+        "dynamic loop. auto: static on a GPU, dynamic on the CPU (the faster one on each; "
+        "same output)")})
     # sampling (rules sampling and rsd)
     temperature: float = field(default=1.0, metadata={"help": (
         "sampling rules: the verifier's logits are divided by it (below 1: closer to greedy)")})
@@ -340,7 +343,7 @@ def flag_help(name: str, with_default: bool = True) -> str:
     return text
 
 
-DECODING_LOOPS = ("static", "dynamic")
+DECODING_LOOPS = ("auto", "static", "dynamic")
 # The default largest drafting batch of the rules whose translations the drafts cannot change:
 # the bundled pair's drafts about pay for themselves for one sentence and lose from two on
 # (BENCHMARKS.md, "Speed by batch size").

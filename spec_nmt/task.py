@@ -285,7 +285,7 @@ class SpecTranslationTask(TranslationTask):
         """The static loop for this verifier and these settings, made once and kept (with the
         CUDA graphs it captured) while the verifier's weights stay those it was made with: a
         translator makes a generator per call, which would capture them again every time."""
-        if not StaticLoop.may_serve(settings):
+        if not StaticLoop.may_serve(settings, next(verifier_model.parameters()).device):
             return None
         loops = self._static_loops.setdefault(verifier_model, {})
         loop = loops.get(settings)

@@ -261,12 +261,15 @@ def test_the_sync_counter_sees_the_host_wait_for_a_value_from_the_device():
 
 
 # ----- the static loop's captured graphs ---------------------------------------------------------
+# (the default loop on CUDA; named, so that SPEC_NMT_TEST_DEVICE=cpu tests it too)
+STATIC = {"decoding_loop": "static"}
+
 def static_systems(pair, block_size):
     """The static loop at k = ``block_size`` drafting in every batch: its iterations captured
     (on CUDA), and the same loop run eagerly."""
-    captured = benchmarks.speculating(pair, block_size=block_size, max_len_a=0,
-                                      max_len_b=MAX_LEN_B)  # fmt: skip
-    eager = benchmarks.speculating(pair, block_size=block_size, max_len_a=0, max_len_b=MAX_LEN_B)
+    settings = dict(block_size=block_size, max_len_a=0, max_len_b=MAX_LEN_B, **STATIC)
+    captured = benchmarks.speculating(pair, **settings)
+    eager = benchmarks.speculating(pair, **settings)
     eager.static = own_static_loop(eager)  # (the task shares one between equal settings)
     eager.static.capture_graphs = False
     return {"captured": captured, "eager": eager}
@@ -304,7 +307,7 @@ def test_a_replay_after_other_lengths_and_batches_gives_what_a_fresh_capture_giv
         pair, source_tokens):  # fmt: skip
     """A generator that decoded other sentences alone and in batches (its graphs replayed on
     other buffers' contents) decodes a sentence as a fresh one does, scores included."""
-    used = benchmarks.speculating(pair, block_size=3)
+    used = benchmarks.speculating(pair, block_size=3, **STATIC)
     with torch.inference_mode():
         for batch_size in (1, 4, 1):
             for _, sample in pair.batches(source_tokens[:12], batch_size):
@@ -313,7 +316,7 @@ def test_a_replay_after_other_lengths_and_batches_gives_what_a_fresh_capture_giv
         for line in (1, min(10, len(source_tokens) - 1)):
             _, sample = next(pair.batches([source_tokens[line]], 1))
             again = used.generate([pair.verifier], sample)[0][0]
-            fresh_generator = benchmarks.speculating(pair, block_size=3)
+            fresh_generator = benchmarks.speculating(pair, block_size=3, **STATIC)
             fresh_generator.static = own_static_loop(fresh_generator)
             fresh = fresh_generator.generate([pair.verifier], sample)[0][0]
             assert torch.equal(again["tokens"], fresh["tokens"])
@@ -326,7 +329,7 @@ def test_the_static_loop_waits_for_the_device_once_per_iteration(pair, source_to
     """Counted by CUDA's sync debug mode: the static loop's reads (host.py) are one per
     iteration but a sentence's first, and one for its output; nothing else waits."""
     host_syncs = script_module("host_syncs", folder="benchmarks")
-    generator = benchmarks.speculating(pair, block_size=3)
+    generator = benchmarks.speculating(pair, block_size=3, **STATIC)
     batches = list(pair.batches(source_tokens[:8], 1))
     with torch.inference_mode():
         for _, sample in batches:  # captured first, uncounted

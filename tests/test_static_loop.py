@@ -2,7 +2,8 @@
 token fairseq's greedy search, alone and in batches of mixed lengths (an empty line among them),
 without drafts and with the cached drafter; its per-token scores are fairseq's (so its caches
 hold what a full recomputation gives); its drafts and acceptance are the dynamic loop's; it reads
-the host once per iteration; and what it does not serve goes to the dynamic loop."""
+the host once per iteration; and what it does not serve goes to the dynamic loop. (The CPU's
+default loop is the dynamic one: these tests ask for the static loop.)"""
 
 import copy
 
@@ -24,8 +25,8 @@ EMPTY = 5  # the empty line's index
 
 @pytest.fixture(scope="module")
 def pair():
-    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu",
-                                          max_len_a=0, max_len_b=MAX_LEN_B)  # fmt: skip
+    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", max_len_a=0,
+                                          max_len_b=MAX_LEN_B, decoding_loop="static")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +131,30 @@ def test_what_the_static_loop_does_not_serve_decodes_on_the_dynamic_loop(pair, s
 
 
 def test_an_unknown_decoding_loop_is_refused_in_one_line():
-    with pytest.raises(SpecNmtError, match=r"^decoding_loop must be one of static, dynamic"):
+    with pytest.raises(SpecNmtError, match=r"^decoding_loop must be one of auto, static, dyna"):
         DEFAULTS.replace(decoding_loop="graph")
+
+
+def test_the_default_loop_is_static_on_a_gpu_and_dynamic_on_the_cpu(sources):
+    assert DEFAULTS.decoding_loop == "auto"
+    assert StaticLoop.may_serve(DEFAULTS, torch.device("cuda"))
+    assert not StaticLoop.may_serve(DEFAULTS, torch.device("cpu"))
+    assert StaticLoop.may_serve(DEFAULTS.replace(decoding_loop="static"), torch.device("cpu"))
+    assert not StaticLoop.may_serve(DEFAULTS.replace(decoding_loop="dynamic"),
+                                    torch.device("cuda"))  # fmt: skip
+    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
+    generator = pair.generator(max_draft_batch=0)
+    assert generator.static is None and not generator.on_static_loop
+    with torch.inference_mode():
+        _, sample = next(pair.batches(sources[:1], 1))
+        generator.generate([pair.verifier], sample)
+    assert generator.stats.accepted_tokens > 0
 
 
 def test_a_translators_calls_share_one_static_loop_while_the_weights_stay():
     """A translator makes a generator per call; their static loop (and on CUDA its captured
     graphs) is made once per verifier and settings, and again once a verifier weight changed."""
-    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
+    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", decoding_loop="static")
     first, again = pair.generator(block_size=3), pair.generator(block_size=3)
     assert first.static is again.static
     assert pair.generator(block_size=5).static is not first.static

@@ -9,6 +9,9 @@ first n drafted tokens are all right; positions past the end of the target count
 ``--on-policy-weight`` judges the drafter's own drafts by the lossless rule while it trains (the
 on-policy examples of DistillSpec, Zhou et al. 2024): a position drafted after a wrong draft in its
 block is discarded by the verifier, so its loss counts less.
+
+A drafter trained with ``--ctc-upsample N`` (drafters/ctc.py) has N x k slots per block: its loss is
+CTC's over the block's labels, with [MASK] as the blank, and the metrics judge its collapsed drafts.
 """
 
 import math
@@ -20,6 +23,8 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.dataclass import FairseqDataclass
 
+from spec_nmt.drafters.ctc import collapse
+from spec_nmt.drafters.training_batches import unwrapped
 from spec_nmt.errors import SpecNmtError
 
 
@@ -56,15 +61,11 @@ class SpecDrafterLoss(FairseqCriterion):
         [n, V]): masks past the target's EOS would cost output-layer time for nothing."""
         target = sample["target"]  # [B, k]
         is_label = target.ne(self.padding_idx)
-        logits, extra = model(**sample["net_input"], scored=is_label)
-        lprobs = model.get_normalized_probs((logits, extra), log_probs=True)
-        labels = target[is_label]
-        right = torch.zeros_like(is_label)
-        right[is_label] = lprobs.argmax(dim=-1).eq(labels)
+        if getattr(unwrapped(model), "ctc_upsample", 0):
+            loss, nll_loss, right = self.ctc_loss(model, sample, is_label)
+        else:
+            loss, nll_loss, right = self.position_loss(model, sample, is_label)
         leading = (right | ~is_label).long().cumprod(dim=1)  # 1 while every token so far is right
-        loss, nll_loss = label_smoothed_nll_loss(
-            lprobs, labels, self.eps, ignore_index=self.padding_idx, reduce=False
-        )
         if self.on_policy_weight:
             reached = torch.cat([leading.new_ones(leading.size(0), 1), leading[:, :-1]], dim=1)
             weight = 1.0 - self.on_policy_weight + self.on_policy_weight * reached[is_label]
@@ -84,6 +85,38 @@ class SpecDrafterLoss(FairseqCriterion):
         for n in range(1, min(self.report_first_n, target.size(1)) + 1):
             logging_output[f"first{n}_count"] = int(leading[:, n - 1].sum())
         return loss, sample_size, logging_output
+
+    def position_loss(self, model, sample, is_label):
+        """Label-smoothed cross-entropy per labelled mask [n, 1], its NLL, and which masks
+        [B, k] the drafter gets right."""
+        logits, extra = model(**sample["net_input"], scored=is_label)
+        lprobs = model.get_normalized_probs((logits, extra), log_probs=True)
+        labels = sample["target"][is_label]
+        right = torch.zeros_like(is_label)
+        right[is_label] = lprobs.argmax(dim=-1).eq(labels)
+        loss, nll_loss = label_smoothed_nll_loss(
+            lprobs, labels, self.eps, ignore_index=self.padding_idx, reduce=False
+        )
+        return loss, nll_loss, right
+
+    def ctc_loss(self, model, sample, is_label):
+        """CTC's loss per block [B, 1] (as its NLL; no smoothing), and which of the collapsed
+        drafts [B, k] equal their label."""
+        if self.on_policy_weight:
+            raise SpecNmtError("--on-policy-weight weights drafts by position: a CTC drafter "
+                               "(--ctc-upsample) has one loss per block")  # fmt: skip
+        target = sample["target"]
+        logits, extra = model(**sample["net_input"])  # [B, slots, V]: every slot
+        lprobs = model.get_normalized_probs((logits, extra), log_probs=True).float()
+        blank = unwrapped(model).decoder.mask_idx
+        slots = torch.full((target.size(0),), lprobs.size(1), dtype=torch.long,
+                           device=target.device)  # fmt: skip
+        loss = torch.nn.functional.ctc_loss(
+            lprobs.transpose(0, 1), target, slots, is_label.sum(dim=1), blank=blank,
+            reduction="none", zero_infinity=True,
+        ).unsqueeze(1)  # fmt: skip
+        drafts, filled = collapse(lprobs.argmax(dim=-1), blank, target.size(1))
+        return loss, loss, filled & drafts.eq(target)
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:

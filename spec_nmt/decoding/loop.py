@@ -97,7 +97,8 @@ class SpeculativeGenerator:
         self.stats = DecodingStats()
         # the static loop, for the batches it serves (settings.decoding_loop)
         self.static = static
-        if static is None and StaticLoop.may_serve(settings):
+        if static is None and StaticLoop.may_serve(
+                settings, next(verifier.model.parameters()).device):
             self.static = StaticLoop(verifier, settings, self.eos, self.pad, self.unk)
 
     @property

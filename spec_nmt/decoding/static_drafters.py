@@ -82,11 +82,11 @@ class StaticCachedDrafter:
 
 
 def has_static_form(drafter) -> bool:
-    """Whether a loaded drafter adapter drafts on the static loop: the cached drafter, or a
-    ``StaticDrafter`` already (the benchmark's oracle)."""
+    """Whether a loaded drafter adapter drafts on the static loop: the cached drafter (not its
+    CTC form, an experiment), or a ``StaticDrafter`` already (the benchmark's oracle)."""
     from spec_nmt.drafters.cached_drafter import CachedDrafter  # (it imports the decoding modules)
 
-    return isinstance(drafter, CachedDrafter) or all(
+    return type(drafter) is CachedDrafter or all(
         hasattr(drafter, name) for name in ("buffers", "fill", "draft", "current"))
 
 

@@ -80,11 +80,13 @@ class StaticLoop:
         self.capture_seconds = 0.0
 
     @staticmethod
-    def may_serve(settings: DecodingSettings) -> bool:
-        """Whether these settings ask for the static loop and have a rule and draft shape it
-        serves (whether their drafter does is known per batch: ``serves``)."""
-        return settings.decoding_loop == "static" and _rule_and_shape(settings,
-                                                                       settings.draft_plan)
+    def may_serve(settings: DecodingSettings, device: torch.device) -> bool:
+        """Whether these settings ask for the static loop on ``device`` (the verifier's) and
+        have a rule and draft shape it serves (whether their drafter does is known per batch:
+        ``serves``)."""
+        loop = settings.decoding_loop
+        wanted = loop == "static" or (loop == "auto" and device.type == "cuda")
+        return wanted and _rule_and_shape(settings, settings.draft_plan)
 
     def current(self) -> bool:
         """Whether the verifier's weights are still those its layers were taken with."""

@@ -120,8 +120,23 @@ class CachedDrafterModel(SpecDrafterModel):
     # its frozen copy of the verifier's encoder (compact_drafter.py drops it from exports)
     VERIFIER_COPIES = {"encoder.": "encoder."}
 
+    @staticmethod
+    def add_args(parser):
+        SpecDrafterModel.add_args(parser)
+        parser.add_argument(
+            "--ctc-upsample",
+            type=int,
+            default=0,
+            metavar="N",
+            help="train and draft with a CTC output (drafters/ctc.py): N x k mask slots per "
+            "block, collapsed to k drafts; 0: one mask per draft, trained position by position",
+        )
+
     @classmethod
     def build_model(cls, args, task):
+        upsample = getattr(args, "ctc_upsample", 0)
+        if upsample == 1 or upsample < 0:
+            raise SpecNmtError(f"--ctc-upsample must be 0 (no CTC) or at least 2, got {upsample}")
         # The encoder must stay the verifier's: it gets embeddings of its own (frozen), and the
         # decoder ties only its input and output embeddings.
         args.share_all_embeddings = False
@@ -132,7 +147,12 @@ class CachedDrafterModel(SpecDrafterModel):
         block_forward.check_supported(model.decoder, "the cached drafter")
         for parameter in model.encoder.parameters():
             parameter.requires_grad_(False)
+        model.ctc_upsample = upsample
         return model
+
+    def draft_slots(self, k: int) -> int:
+        """Mask slots per block of k drafts."""
+        return k * self.ctc_upsample if self.ctc_upsample else k
 
     @staticmethod
     def training_input(shifted: Tensor, cuts: Tensor, k: int, mask: int,
@@ -145,6 +165,10 @@ class CachedDrafterModel(SpecDrafterModel):
                 "cuts": cuts.view(-1, blocks)}  # fmt: skip
 
     def decoding_adapter(self, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
+        if self.ctc_upsample:
+            from spec_nmt.drafters.ctc import CtcCachedDrafter  # (it imports this module)
+
+            return CtcCachedDrafter(self, pad, eos, vocabulary)
         return CachedDrafter(self, pad, eos, vocabulary)
 
     @classmethod
@@ -230,6 +254,12 @@ class CachedDrafter(NarDrafter):
     def position_logits(self, cache: ScorerState, tokens: Tensor, lengths: Tensor, k: int):
         """Float logits [B, k, D] over the draft columns at the k masks after each row's
         ``tokens[b, :lengths[b] + 1]``; the prefix entries not yet in the cache join it."""
+        return self._draft_columns(self.mask_logits(cache, tokens, lengths, k))
+
+    def mask_logits(self, cache: ScorerState, tokens: Tensor, lengths: Tensor, k: int):
+        """The output layer's logits [B, k, V] at the k masks after each row's
+        ``tokens[b, :lengths[b] + 1]`` (every column); the prefix entries not yet in the cache
+        join it."""
         fed = cache.fed_lengths
         n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
         fewest, width = value_range(n_new)
@@ -252,7 +282,7 @@ class CachedDrafter(NarDrafter):
         block = torch.cat([new_tokens, tokens.new_full((tokens.size(0), k), self.mask)], dim=1)
         logits = self.scorer.score_logits(cache, block, depths, visible, outputs=k)
         self.scorer.commit(cache, None, n_new)
-        return self._draft_columns(logits)
+        return logits
 
     def _visibility_pattern(self, width: int, k: int, device: torch.device) -> Tensor:
         """[1, width + k, width + k]: ``width`` new prefix entries, causal, then k masks that

@@ -143,6 +143,10 @@ class SpecDrafterModel(TransformerModel):
     # The earliest cut a training block may follow (0: right after BOS).
     FIRST_CUT = 0
 
+    def draft_slots(self, k: int) -> int:
+        """Mask slots per block of k drafts: one per draft."""
+        return k
+
     @staticmethod
     def training_input(shifted: torch.Tensor, cuts: torch.Tensor, k: int, mask: int,
                        pad: int) -> Dict[str, torch.Tensor]:  # fmt: skip

@@ -20,7 +20,8 @@ def drafter_sample(sample: Dict, model, k: int, cuts_per_sentence: int, mask: in
     """Turn a translation batch into a drafter batch for ``model``: cut every target at
     ``cuts_per_sentence`` random points (stratified: the j-th of m cuts falls in the j-th m-th of
     its length); each cut c's labels are y[c:c+k] (EOS included, padding past the end), one row
-    per cut, the cuts of a sentence next to each other. ``model`` None (a caller's layout check)
+    per cut, the cuts of a sentence next to each other, and the model's ``draft_slots(k)`` masks
+    per cut. ``model`` None (a caller's layout check)
     cuts as a Spec-Drafter."""
     target = sample["target"]
     m = cuts_per_sentence
@@ -37,6 +38,7 @@ def drafter_sample(sample: Dict, model, k: int, cuts_per_sentence: int, mask: in
     label_index = cuts.unsqueeze(1) + torch.arange(k, device=target.device)
     labels = fit_width(rows, int(label_index.max()) + 1, pad).gather(1, label_index)
     shifted = torch.cat([target.new_full((target.size(0), 1), eos), target[:, :-1]], dim=1)
-    decoder_input = model_class.training_input(shifted, cuts, k, mask, pad)
+    slots = unwrapped(model).draft_slots(k) if model is not None else k
+    decoder_input = model_class.training_input(shifted, cuts, slots, mask, pad)
     net_input = dict(sample["net_input"], **decoder_input)
     return dict(sample, net_input=net_input, target=labels, ntokens=int(labels.ne(pad).sum()))
