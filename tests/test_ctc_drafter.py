@@ -93,7 +93,7 @@ def ctc_drafter(toy, tmp_path_factory):
     """The toy cached drafter trained on with CTC over two slots per draft."""
     save_dir = tmp_path_factory.mktemp("ctc_drafter")
     log = train_drafter(
-        toy["bin"], save_dir, 400, "--arch", "cached_drafter", "--cuts-per-sentence", 3,
+        toy["bin"], save_dir, 120, "--arch", "cached_drafter", "--cuts-per-sentence", 3,
         "--init-from-verifier", toy["verifier"], "--ctc-upsample", 2,
         "--finetune-from-model", toy["cached_drafter"],
     )  # fmt: skip
