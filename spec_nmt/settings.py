@@ -139,8 +139,8 @@ class DecodingSettings:
     # The static loop (decoding/static_loop.py) removes the host's waits and, on CUDA, replays
     # each iteration as one captured graph; it serves top_beta chains with the cached drafter or
     # none, and every other batch decodes on the dynamic loop. Both give the same tokens. auto
-    # picks by device: on the CPU, where a host read costs nothing, the dynamic loop ran 4-5 %
-    # faster with drafts in five runs on two CPUs and tied without (BENCHMARKS.md, "The loop").
+    # picks by device: on the CPU, where a host read costs nothing, the dynamic loop ran 3-5 %
+    # faster with drafts in five runs and tied without (BENCHMARKS.md, "The loop on the CPU").
     decoding_loop: str = field(default="auto", metadata={"help": (
         "static: preallocated caches, acceptance on the device and one host read per "
         "iteration (captured as a CUDA graph on a GPU), for the top_beta rule with chains of "
