@@ -133,19 +133,23 @@ def test_a_drafter_of_another_verifier_is_refused(toy, spec_task):
         load_drafter(spec_task, str(toy["feature_drafter"]), other)
 
 
+@pytest.mark.parametrize("loop", ["dynamic", "static"])
 @pytest.mark.parametrize("sentences_per_batch", [1, 8])
 def test_the_loop_accepts_what_the_simulation_accepts(toy, trained, spec_task,
-                                                      sentences_per_batch):
+                                                      sentences_per_batch, loop):
     """Decoding with the drafter's cache (rows of a batch feeding unequal counts, so with gaps)
     accepts, sentence by sentence, what drafting from scratch accepts, and its output is the
-    verifier's greedy translation."""
+    verifier's greedy translation: on the dynamic loop, and on the static one (its static form,
+    the verifier's states passed on the device)."""
     model, task, _ = trained
     dataset = spec_task.dataset("valid")
     verifier = model.verifier
     drafter = load_drafter(spec_task, str(toy["feature_drafter"]), verifier)
     generator = SpeculativeGenerator(
         BlockScorer(verifier), drafter, spec_task.target_dictionary,
-        DecodingSettings(block_size=4, max_draft_batch=0, max_len_a=0, max_len_b=200))
+        DecodingSettings(block_size=4, max_draft_batch=0, max_len_a=0, max_len_b=200,
+                         decoding_loop=loop))  # fmt: skip
+    assert generator.on_static_loop == (loop == "static")
     indices = list(range(16))
     with torch.no_grad():
         greedy = greedy_translations(task, model, indices, batch_size=16)

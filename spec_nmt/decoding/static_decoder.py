@@ -71,8 +71,16 @@ class StaticDecoder:
         """Float logits [B, W, V] (or of the last ``outputs`` entries) of block ``tokens``
         [B, W] at decoder ``positions`` [B, W], whose keys and values go to cache ``slots``
         [B, W]; ``bias`` [B, 1, W, capacity] says which cache slots each entry sees."""
+        return self.scorer.output_logits(self.features(memory, tokens, positions, slots, bias),
+                                         outputs)  # fmt: skip
+
+    def features(self, memory: Memory, tokens: Tensor, positions: Tensor, slots: Tensor,
+                 bias: Tensor, inputs: Optional[Tensor] = None) -> Tensor:  # fmt: skip
+        """The decoder's final states [B, W, C] (what its output projection reads) of the block
+        ``logits`` describes; ``inputs`` [B, W, C]: the entries' vectors in place of the tokens'
+        embeddings (the feature drafter's)."""
         decoder, layers = self.decoder, self.layers
-        x = block_forward.embed(decoder, tokens, positions, self.table).transpose(0, 1)
+        x = block_forward.embed(decoder, tokens, positions, self.table, inputs).transpose(0, 1)
         function = scripted_layers.decoder_layers
         if x.device.type == "cpu" and scripted_layers.decoder_layers_scripted is not None:
             function = scripted_layers.decoder_layers_scripted
@@ -82,7 +90,7 @@ class StaticDecoder:
                      layers.eps, layers.normalize_before, layers.gelu)  # fmt: skip
         if decoder.layer_norm is not None:
             x = decoder.layer_norm(x)
-        return self.scorer.output_logits(x, outputs)
+        return x
 
 
 @dataclass

@@ -10,7 +10,8 @@ hundred small kernels of an iteration are launched one by one from Python. Here,
   length, so a rejected entry costs nothing: the next block overwrites it;
 - every block has a fixed width. The verifier scores [pending token, k drafts]; the cached
   drafter feeds k + 1 prefix slots (the at most k + 1 tokens committed since its last call, then
-  slots no mask sees) and its k masks;
+  slots no mask sees) and its k masks; the feature drafter feeds the verifier's k + 1 states of
+  its last block the same way, then takes k one-entry steps;
 - acceptance (top-beta/tau, lossless with beta 1), the commit and the next input are computed on
   the device. A finished row stays in the batch and changes nothing;
 - the host reads one flag per iteration but the first (whether a row is still going) and the
@@ -18,9 +19,9 @@ hundred small kernels of an iteration are launched one by one from Python. Here,
 On CUDA the whole iteration (draft, score, accept, commit) is captured once per batch size, source
 length bucket, k and settings, then replayed: one launch instead of hundreds.
 
-It serves the top-beta rule with chains of drafts from the cached drafter, a ``StaticDrafter``
-(the benchmark's oracle) or none; other rules, trees, --draft-stop, other drafters and traces take
-the dynamic loop (``StaticLoop.serves``).
+It serves the top-beta rule with chains of drafts from the cached drafter, the feature drafter, a
+``StaticDrafter`` (the benchmark's oracle) or none; other rules, trees, --draft-stop, other
+drafters and traces take the dynamic loop (``StaticLoop.serves``).
 """
 
 import logging
@@ -259,12 +260,15 @@ class StaticLoop:
         positions = batch.lengths.unsqueeze(1) + batch.offsets  # = the entries' cache slots
         bias = block_forward.additive_mask(batch.slot_index <= positions.unsqueeze(2),
                                           batch.verifier.keys[0].dtype)
-        logits = self.verifier.logits(batch.verifier, block, positions, positions, bias)
+        states = self.verifier.features(batch.verifier, block, positions, positions, bias)
+        logits = self.verifier_scorer.output_logits(states)
         normalizer = self._constrain(logits, positions, batch.max_lens)
         settings = self.settings
         n_accepted, next_tokens = accept_top_beta(draft_tokens, logits, settings.beta,
                                                   settings.tau, self.eos)  # fmt: skip
         emitted, n_emitted, ended = emitted_tokens(draft_tokens, n_accepted, next_tokens, self.eos)
+        if drafts is not None:
+            drafts.observe(batch, states, emitted, n_emitted * batch.live.long())
         # entry i put emitted[i] at output step lengths + i (token slot lengths + 1 + i); a
         # finished row writes past its end, where nothing is read
         batch.tokens.scatter_(1, positions + 1, emitted)
