@@ -40,7 +40,10 @@
 # (lines of the static loop's cost), SIZE_LINES and SIZE_BATCHES (the model-size table),
 # DISTILL_LINES (0: all), DRAFTER_FLAGS (fairseq-train flags the train step adds, e.g.
 # "--lr 1e-4"), TRAIN_S (the seconds the steps before training leave it, exports
-# included; it then takes all that is left; 0: their shares decide), BUDGET_S. GPU_STEPS lists
+# included; it then takes all that is left; 0: their shares decide), TRAIN_KIND (cached: the
+# bundled drafter trained on; feature: a feature drafter (EAGLE) trained from scratch, exported
+# to feature-drafter-best.pt and timed on the static loop in the step's last FEATURE_BENCH_S
+# seconds, into bench-feature-trained.json), BUDGET_S. GPU_STEPS lists
 # the steps in the order they run (default "tests syncs cost bench sizes distill feature train";
 # feature needs the prepared feature drafter, train the prepared drafter data).
 # CTranslate2 has no CUDA row: the image has no ctranslate2, and its wheels link CUDA 12's cuBLAS
@@ -110,6 +113,7 @@ train_drafter() {
     # The bundled drafter trained on as the drafts issue's candidate was (on-policy, w = 1; the
     # model card's last drafter step), epoch after epoch until --stop-time-hours, each epoch
     # validated by its acceptance; then the best and the last exported as compact fp16 files.
+    # TRAIN_KIND=feature trains a feature drafter instead (train_feature), on the same data.
     local seconds=$1 device=$2 save=$WORK/drafter start=$WORK/drafter-start.pt
     local verifier=$MODEL_DIR/verifier.pt which stop_hours flags=(--eval-acceptance-sentences 500)
     local -a TRAIN_FLAGS
@@ -127,20 +131,19 @@ train_drafter() {
             { tail -3 "$WORK/drafter-data.log"; return 1; }
         echo "train_drafter: $(grep -c . "$WORK/distill.en") on-policy pairs from the distill step"
     fi
-    # the dry run: three updates, then the epoch's validation (its loss over all of valid)
-    [[ $device == cpu ]] && flags=(--cpu --max-update 3 --eval-acceptance-sentences 8)
-    "$PY" scripts/unpack_drafter.py "$MODEL_DIR" "$start" || return 1
-    # fairseq's clock for --stop-time-hours goes on from the start checkpoint's training time
-    stop_hours=$("$PY" -c 'import sys, torch
-state = torch.load(sys.argv[1], map_location="cpu", weights_only=False)
-previous = (state.get("extra_state") or {}).get("previous_training_time", 0)
-print((previous + max(int(sys.argv[2]), 1)) / 3600)' "$start" "$((seconds - TRAIN_MARGIN_S))") ||
-        return 1
     # train_common.sh calls fairseq-train, which pip's --target install may leave off the PATH
     mkdir -p "$WORK/bin"
     printf '#!/bin/sh\nexec "%s" -c "from fairseq_cli.train import cli_main; cli_main()" "$@"\n' \
         "$(command -v "$PY")" >"$WORK/bin/fairseq-train"
     chmod +x "$WORK/bin/fairseq-train"
+    if [[ ${TRAIN_KIND:-cached} == feature ]]; then
+        train_feature "$seconds" "$device"
+        return
+    fi
+    # the dry run: three updates, then the epoch's validation (its loss over all of valid)
+    [[ $device == cpu ]] && flags=(--cpu --max-update 3 --eval-acceptance-sentences 8)
+    "$PY" scripts/unpack_drafter.py "$MODEL_DIR" "$start" || return 1
+    stop_hours=$(stop_hours "$start" "$((seconds - TRAIN_MARGIN_S))") || return 1
     PATH=$WORK/bin:$PATH scripts/train_drafter.sh "$DRAFTER_DATA" "$save" cached_small \
         "${flags[@]}" --init-from-verifier "$verifier" --finetune-from-model "$start" \
         --on-policy-weight 1 --lr 3e-4 --warmup-updates 100 --seed 2 --max-epoch 100 \
@@ -160,6 +163,47 @@ print((previous + max(int(sys.argv[2]), 1)) / 3600)' "$start" "$((seconds - TRAI
             --spm-model "$MODEL_DIR/spm.model" || return 1
         cp "$WORK/export-$which/drafter.pt" "$OUT/drafter-$which.pt" || return 1
     done
+}
+
+stop_hours() {  # stop_hours CHECKPOINT SECONDS: fairseq's --stop-time-hours for SECONDS more (its
+    # clock goes on from the checkpoint's training time; no checkpoint: from 0)
+    "$PY" -c 'import os, sys, torch
+previous = 0
+if os.path.isfile(sys.argv[1]):
+    state = torch.load(sys.argv[1], map_location="cpu", weights_only=False)
+    previous = (state.get("extra_state") or {}).get("previous_training_time", 0)
+print((previous + max(int(sys.argv[2]), 1)) / 3600)' "$1" "$2"
+}
+
+train_feature() {
+    # A feature drafter (EAGLE) of the bundled verifier on the drafter data (the verifier's own
+    # greedy translations, which is what it learns to predict), from scratch (a checkpoint to
+    # resume from would hold the verifier: too large to come back); validated by its loss; the
+    # best exported compact, then timed at batch 1 on the static loop (the defaults' on CUDA).
+    local seconds=$1 device=$2 save=$WORK/feature verifier=$MODEL_DIR/verifier.pt flags=()
+    local bench_s=${FEATURE_BENCH_S:-120}
+    local -a TRAIN_FLAGS
+    read -r -a TRAIN_FLAGS <<<"${DRAFTER_FLAGS:-}"
+    [[ $device == cpu ]] && flags=(--cpu --max-update 3) && bench_s=${FEATURE_BENCH_S:-60}
+    PATH=$WORK/bin:$PATH scripts/train_feature_drafter.sh "$DRAFTER_DATA" "$save" small \
+        "${flags[@]}" --verifier-path "$verifier" --max-epoch 100 \
+        --stop-time-hours "$(stop_hours "" "$((seconds - TRAIN_MARGIN_S - bench_s))")" \
+        --validate-interval-updates 0 --save-interval-updates 0 \
+        --required-batch-size-multiple 1 "${TRAIN_FLAGS[@]}" >"$OUT/train_drafter.log" 2>&1
+    echo "train_feature: fairseq-train exited $?," \
+        "$(grep -c "valid on 'valid'" "$OUT/train_drafter.log") validations"
+    [[ -f $save/checkpoint_best.pt ]] || { echo "train_feature: no checkpoint_best.pt"; return 1; }
+    "$PY" scripts/export_model.py "$WORK/export-feature" --verifier "$verifier" \
+        --drafter "$save/checkpoint_best.pt" --data-bin "$DRAFTER_DATA" \
+        --spm-model "$MODEL_DIR/spm.model" || return 1
+    cp "$WORK/export-feature/drafter.pt" "$OUT/feature-drafter-best.pt" || return 1
+    # acceptance and speed at batch 1, the feature drafter against the bundled one (the bench
+    # step's defaults row), k = 3, 5 and 10 with --draft-stop 0.6; whatever time is left
+    timeout "$((bench_s - 10))" "$PY" benchmarks/benchmark.py ceiling "$MODEL_DIR" \
+        --drafter-path "$OUT/feature-drafter-best.pt" --src "$CARRY/data/test.de" \
+        --device "$device" --warmup-lines 2 --lossless-blocks 3,5 --draft-stops 10:0.6 \
+        --lines "$FEATURE_BENCH_LINES" --batch-sizes 1 --no-phases \
+        --json "$OUT/bench-feature-trained.json"
 }
 
 travel_size() {
@@ -197,7 +241,7 @@ case $MODE in
     BATCH1_LINES=${BATCH1_LINES:-2} BATCHED_LINES=${BATCHED_LINES:-4}
     BATCHED_SIZES=2,4 WARMUP_LINES=1 BUDGET_S=${BUDGET_S:-2400} TRAIN_S=${TRAIN_S:-600}
     SIZE_LINES=${SIZE_LINES:-2} SIZE_BATCHES=1,2 SIZE_LENGTH=8 DISTILL_LINES=${DISTILL_LINES:-20}
-    COST_LINES=${COST_LINES:-3}
+    COST_LINES=${COST_LINES:-3} FEATURE_BENCH_LINES=${FEATURE_BENCH_LINES:-2}
     TEST_FILTER=${TEST_FILTER-lossless or captured or replay or static or sync}
     ;;
 gpu)
@@ -215,7 +259,7 @@ gpu)
     BATCH1_LINES=${BATCH1_LINES:-100} BATCHED_LINES=${BATCHED_LINES:-128}
     BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-560} TRAIN_S=${TRAIN_S:-180}
     SIZE_LINES=${SIZE_LINES:-16} SIZE_BATCHES=1,8,32 SIZE_LENGTH=32 DISTILL_LINES=${DISTILL_LINES:-0}
-    COST_LINES=${COST_LINES:-32}
+    COST_LINES=${COST_LINES:-32} FEATURE_BENCH_LINES=${FEATURE_BENCH_LINES:-50}
     ;;
 *)
     echo "usage: $0 [--prepare [DRAFTER_DATA_BIN] | --dry-run]" >&2
@@ -226,7 +270,8 @@ esac
 mkdir -p "$OUT"
 # what a train step left here in an earlier run would pass for this run's
 rm -f "$OUT/train_drafter.log" "$OUT/drafter-best.pt" "$OUT/drafter-last.pt" \
-    "$OUT/headline.json" "$OUT/distill-greedy.en.xz"
+    "$OUT/headline.json" "$OUT/distill-greedy.en.xz" "$OUT/feature-drafter-best.pt" \
+    "$OUT/bench-feature-trained.json"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 WORK=$(mktemp -d)
 STEPS=()  # "name status seconds" per step, for the JSON
@@ -388,7 +433,7 @@ run_train() {
         STEPS+=("train skipped 0")
         return
     fi
-    export WORK OUT PY TRAIN_MARGIN_S
+    export WORK OUT PY TRAIN_MARGIN_S FEATURE_BENCH_LINES
     # the last step, with all that is left (its weight only shares out the steps before it)
     step train 1 "$seconds" "$SELF" --train-drafter "$seconds" "$DEVICE"
 }
@@ -429,7 +474,7 @@ if (out / "tests.xml").exists():
     summary["tests"] = dict(counts, failed=failed, seconds=float(suite.get("time", 0)))
 if (work / "syncs.json").exists():
     summary["syncs"] = json.loads((work / "syncs.json").read_text())
-for path in sorted(work.glob("bench-*.json")):
+for path in sorted([*work.glob("bench-*.json"), *out.glob("bench-feature-trained.json")]):
     summary["benchmarks"][path.stem] = json.loads(path.read_text())
 if (work / "sizes.json").exists():
     summary["sizes"] = json.loads((work / "sizes.json").read_text())
