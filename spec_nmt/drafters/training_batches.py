@@ -21,8 +21,7 @@ def drafter_sample(sample: Dict, model, k: int, cuts_per_sentence: int, mask: in
     ``cuts_per_sentence`` random points (stratified: the j-th of m cuts falls in the j-th m-th of
     its length); each cut c's labels are y[c:c+k] (EOS included, padding past the end), one row
     per cut, the cuts of a sentence next to each other, and the model's ``draft_slots(k)`` masks
-    per cut. ``model`` None (a caller's layout check)
-    cuts as a Spec-Drafter."""
+    per cut. ``model`` None (a caller's layout check) cuts as a Spec-Drafter."""
     target = sample["target"]
     m = cuts_per_sentence
     model_class = type(unwrapped(model)) if model is not None else SpecDrafterModel
