@@ -11,7 +11,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.models import ARCH_MODEL_REGISTRY
 
-from spec_nmt.checkpoint_loading import checkpoint_arch
+from spec_nmt.checkpoint_loading import checkpoint_arch, model_config
 from spec_nmt.compact_drafter import with_verifier_copies
 from spec_nmt.drafters.ar_drafter import ArDrafter
 from spec_nmt.drafters.cached_drafter import same_weights
@@ -205,7 +205,9 @@ def _int8_linears(model):
 
 def drafts_over_vocabulary(state) -> bool:
     """Whether a drafter checkpoint's drafter can draft over a draft vocabulary: a NAR drafter
-    or a feature drafter."""
+    (not a CTC one, whose blank is outside any vocabulary) or a feature drafter."""
+    if getattr(model_config(state), "ctc_upsample", 0):
+        return False
     return is_nar_drafter(state) or checkpoint_arch(state) == "feature_drafter"
 
 

@@ -1,16 +1,23 @@
 """The cached drafter's CTC form (--ctc-upsample, drafters/ctc.py): the collapse of slots into
 drafts, the loss on a hand-built distribution, and a toy CTC drafter that trains and decodes
-fairseq greedy's translations with its drafts accepted."""
+fairseq greedy's translations with its drafts accepted, on the dynamic loop and the static one
+alike."""
 
 import argparse
 
 import pytest
 import torch
+from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 
 from spec_nmt.criterions.spec_drafter_loss import SpecDrafterLoss
+from spec_nmt.decoding.loop import SpeculativeGenerator
+from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters.ctc import collapse
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.loading import load_drafter
+from spec_nmt.settings import DecodingSettings
+from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from tests.conftest import drafter_training, fairseq_error, fairseq_in_process, train_drafter
 from tests.test_lossless import DRAFT_IN_BATCHES, generate_flags, hypotheses, mean_accepted
 
@@ -124,3 +131,37 @@ def test_one_slot_per_draft_is_not_ctc_and_is_refused_in_one_line(toy, tmp_path)
         "--init-from-verifier", toy["verifier"], "--ctc-upsample", 1,
     )  # fmt: skip
     assert "--ctc-upsample must be 0 (no CTC) or at least 2" in fairseq_error("train", *training)
+
+
+@pytest.mark.parametrize("sentences_per_batch", [1, 8])
+def test_the_static_loop_drafts_and_accepts_what_the_dynamic_loop_does(toy, ctc_drafter,
+                                                                       sentences_per_batch):
+    """The CTC drafter's static form (its slots collapsed on the device, empty places drafting
+    PAD) accepts, sentence by sentence, the drafts the dynamic loop accepts."""
+    cfg = SpecTranslationConfig(data=str(toy["bin"]), source_lang="de", target_lang="en",
+                                dataset_impl="mmap", required_seq_len_multiple=1)  # fmt: skip
+    task = SpecTranslationTask.setup_task(cfg)
+    task.load_dataset("valid")
+    dataset = task.dataset("valid")
+    (verifier,), _ = checkpoint_utils.load_model_ensemble([str(toy["verifier"])], task=task)
+    verifier.eval()
+    drafter = load_drafter(task, str(ctc_drafter[0]), verifier)
+    found = {}
+    for loop in ("dynamic", "static"):
+        generator = SpeculativeGenerator(
+            BlockScorer(verifier), drafter, task.target_dictionary,
+            DecodingSettings(block_size=4, max_draft_batch=0, max_len_a=0, max_len_b=200,
+                             decoding_loop=loop))  # fmt: skip
+        assert generator.on_static_loop == (loop == "static")
+        found[loop] = {}
+        with torch.no_grad():
+            for start in range(0, 16, sentences_per_batch):
+                sample = dataset.collater([dataset[i] for i in range(start, start +
+                                                                       sentences_per_batch)])
+                for index, hypotheses in zip(sample["id"].tolist(),
+                                             generator.generate([verifier], sample)):
+                    best = hypotheses[0]
+                    found[loop][index] = (best["tokens"].tolist(), best["spec_accepted_tokens"],
+                                          best["spec_iterations"])  # fmt: skip
+        assert generator.stats.accepted_tokens > 0
+    assert found["static"] == found["dynamic"]

@@ -39,23 +39,35 @@ class StaticDrafter(Protocol):
 class CachedDrafterBuffers:
     memory: Memory
     fed: Tensor  # [B] prefix entries in the drafter's cache (BOS included)
+    masks: Tensor  # [masks] 0 .. masks - 1
+    slot_index: Tensor  # [capacity] 0 .. capacity - 1 of its cache
 
 
 class StaticCachedDrafter:
     """The cached drafter (drafters/cached_drafter.py) in the static loop: each call feeds k + 1
     prefix slots at ``fed`` (the real ones: the tokens committed since the last call; the others
     are seen by no mask and overwritten next time) and k masks after them, which see the real
-    prefix and each other."""
+    prefix and each other. Its CTC form (drafters/ctc.py) has N x k masks, collapsed on the
+    device; the places they leave empty draft PAD, which the verifier never accepts."""
 
     def __init__(self, cached):
         self.cached = cached
         self.decoder = StaticDecoder(cached.scorer)
+        self.upsample = getattr(cached, "upsample", 1)  # masks per draft
+        if self.upsample > 1:
+            from spec_nmt.drafters.ctc import collapse  # (it imports the decoding modules)
+
+            self.collapse = collapse
 
     def buffers(self, batch: Batch, source_length: int, masked_source: bool):
         tokens = batch.tokens
-        memory = self.decoder.memory(tokens.size(0), batch.capacity, source_length,
+        masks = batch.k * self.upsample
+        capacity = batch.capacity + masks - batch.k  # (the verifier's has room for k masks)
+        memory = self.decoder.memory(tokens.size(0), capacity, source_length,
                                      batch.verifier.keys[0].dtype, tokens.device, masked_source)
-        return CachedDrafterBuffers(memory, torch.zeros_like(batch.lengths))
+        return CachedDrafterBuffers(memory, torch.zeros_like(batch.lengths),
+                                    torch.arange(masks, device=tokens.device),
+                                    torch.arange(capacity, device=tokens.device))  # fmt: skip
 
     def current(self) -> bool:
         return self.decoder.layers.current()
@@ -68,22 +80,28 @@ class StaticCachedDrafter:
         """Nothing: the committed tokens are in ``batch.tokens``."""
 
     def draft(self, batch: Batch) -> Tensor:
-        k, state = batch.k, batch.drafter
+        state = batch.drafter
+        masks = state.masks.numel()
         prefix = state.fed.unsqueeze(1) + batch.offsets  # [B, k + 1] slots = positions
-        mask_slots = prefix[:, -1:] + 1 + batch.offsets[:k]
-        mask_positions = batch.lengths.unsqueeze(1) + 1 + batch.offsets[:k]
+        mask_slots = prefix[:, -1:] + 1 + state.masks
+        mask_positions = batch.lengths.unsqueeze(1) + 1 + state.masks
         last = batch.tokens.size(1) - 1
         tokens = torch.cat([batch.tokens.gather(1, prefix.clamp(max=last)),
                             torch.full_like(mask_slots, self.cached.mask)], dim=1)  # fmt: skip
-        slot = batch.slot_index
+        slot = state.slot_index
         prefix_seen = slot <= prefix.unsqueeze(2)  # causal
         mask_seen = ((slot <= batch.lengths.view(-1, 1, 1))
                      | ((slot >= mask_slots[:, :1, None]) & (slot <= mask_slots[:, -1:, None])))
-        seen = torch.cat([prefix_seen, mask_seen.expand(-1, k, -1)], dim=1)
+        seen = torch.cat([prefix_seen, mask_seen.expand(-1, masks, -1)], dim=1)
         logits = self.decoder.logits(state.memory, tokens, torch.cat([prefix, mask_positions], 1),
                                      torch.cat([prefix, mask_slots], 1),
-                                     additive_mask(seen, state.memory.keys[0].dtype), outputs=k)
+                                     additive_mask(seen, state.memory.keys[0].dtype),
+                                     outputs=masks)  # fmt: skip
         state.fed.copy_(batch.lengths + 1)
+        if self.upsample > 1:
+            logits[:, :, self.cached.pad] = float("-inf")
+            drafts, filled = self.collapse(logits.max(dim=-1).indices, self.cached.mask, batch.k)
+            return drafts.masked_fill(~filled, self.cached.pad)
         best = self.cached._draft_columns(logits).max(dim=-1).indices
         vocabulary = self.cached.vocabulary
         return best if vocabulary is None else vocabulary[best]
@@ -172,13 +190,12 @@ class StaticFeatureDrafter:
 
 
 def has_static_form(drafter) -> bool:
-    """Whether a loaded drafter adapter drafts on the static loop: the cached drafter (not its
-    CTC form, an experiment), the feature drafter, or a ``StaticDrafter`` already (the
-    benchmark's oracle)."""
+    """Whether a loaded drafter adapter drafts on the static loop: the cached drafter (its CTC
+    form too), the feature drafter, or a ``StaticDrafter`` already (the benchmark's oracle)."""
     from spec_nmt.drafters.cached_drafter import CachedDrafter  # (they import the decoding
     from spec_nmt.drafters.feature_drafter import FeatureDrafter  # modules)
 
-    return type(drafter) is CachedDrafter or isinstance(drafter, FeatureDrafter) or all(
+    return isinstance(drafter, (CachedDrafter, FeatureDrafter)) or all(
         hasattr(drafter, name) for name in ("buffers", "fill", "draft", "observe", "current"))
 
 
