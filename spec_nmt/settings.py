@@ -137,8 +137,9 @@ class DecodingSettings:
         "verifier alone (0: draft in every batch; default: 1 for the lossless rule and the "
         "sampling rules, no limit for a relaxed --beta/--tau)")})
     # The static loop (decoding/static_loop.py) removes the host's waits and, on CUDA, replays
-    # each iteration as one captured graph; it serves top_beta chains with the cached drafter or
-    # none, and every other batch decodes on the dynamic loop. Both give the same tokens. auto
+    # each iteration as one captured graph; it serves top_beta chains with the cached drafter
+    # (its CTC form too), the feature drafter or none, and every other batch decodes on the
+    # dynamic loop. Both give the same tokens. auto
     # picks by device: on the CPU, where a host read costs nothing, the dynamic loop ran 3-5 %
     # faster with drafts in five runs and tied without (BENCHMARKS.md, "The loop on the CPU").
     decoding_loop: str = field(default="auto", metadata={"help": (

@@ -58,7 +58,8 @@ class SpecDrafterLoss(FairseqCriterion):
 
     def forward(self, model, sample, reduce=True):
         """The loss over the masks that have a label; the model scores only those (logits
-        [n, V]): masks past the target's EOS would cost output-layer time for nothing."""
+        [n, V]): masks past the target's EOS would cost output-layer time for nothing. (A CTC
+        drafter's loss reads every slot: ``ctc_loss``.)"""
         target = sample["target"]  # [B, k]
         is_label = target.ne(self.padding_idx)
         if getattr(unwrapped(model), "ctc_upsample", 0):
