@@ -44,9 +44,9 @@ class Memory:
 
 class StaticDecoder:
     """A fairseq decoder (the verifier's, a cached drafter's or a feature drafter's layer) over
-    fixed-width blocks on a
-    ``Memory``, through the decoder layer function of ``scripted_layers`` (TorchScript on the
-    CPU; on CUDA the same function as Python, whose kernels the graph captures)."""
+    fixed-width blocks on a ``Memory``, through the decoder layer function of ``scripted_layers``
+    (TorchScript on the CPU; on CUDA the same function as Python, whose kernels the graph
+    captures)."""
 
     def __init__(self, scorer: BlockScorer):
         self.scorer = scorer

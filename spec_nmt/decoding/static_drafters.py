@@ -54,10 +54,6 @@ class StaticCachedDrafter:
         self.cached = cached
         self.decoder = StaticDecoder(cached.scorer)
         self.upsample = getattr(cached, "upsample", 1)  # masks per draft
-        if self.upsample > 1:
-            from spec_nmt.drafters.ctc import collapse  # (it imports the decoding modules)
-
-            self.collapse = collapse
 
     def buffers(self, batch: Batch, source_length: int, masked_source: bool):
         tokens = batch.tokens
@@ -99,9 +95,7 @@ class StaticCachedDrafter:
                                      outputs=masks)  # fmt: skip
         state.fed.copy_(batch.lengths + 1)
         if self.upsample > 1:
-            logits[:, :, self.cached.pad] = float("-inf")
-            drafts, filled = self.collapse(logits.max(dim=-1).indices, self.cached.mask, batch.k)
-            return drafts.masked_fill(~filled, self.cached.pad)
+            return self.cached.collapsed_drafts(logits, batch.k)[0]
         best = self.cached._draft_columns(logits).max(dim=-1).indices
         vocabulary = self.cached.vocabulary
         return best if vocabulary is None else vocabulary[best]

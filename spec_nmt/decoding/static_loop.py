@@ -6,9 +6,9 @@ device to slice; on a GPU each read makes the host wait (about 8 per verifier ca
 hundred small kernels of an iteration are launched one by one from Python. Here, per batch:
 - the verifier's and the drafter's self-attention caches hold ``capacity`` slots per row (the
   batch's output limit plus room for one iteration's blocks; the CTC drafter's its extra masks
-  more), written in place at each row's
-  positions. Attention reads the whole cache under a mask built on the device from each row's
-  length, so a rejected entry costs nothing: the next block overwrites it;
+  more), written in place at each row's positions. Attention reads the whole cache under a
+  mask built on the device from each row's length, so a rejected entry costs nothing: the next
+  block overwrites it;
 - every block has a fixed width. The verifier scores [pending token, k drafts]; the cached
   drafter feeds k + 1 prefix slots (the at most k + 1 tokens committed since its last call, then
   slots no mask sees) and its k masks (N x k in its CTC form); the feature drafter feeds the verifier's k + 1 states of

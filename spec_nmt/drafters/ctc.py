@@ -59,9 +59,15 @@ class CtcCachedDrafter(CachedDrafter):
                 "a CTC drafter (--ctc-upsample) drafts greedy chains only: use the lossless or "
                 "top-beta/tau rule without --draft-tree, --beam-tree or --draft-stop"
             )
-        logits = self.mask_logits(state, tokens, lengths, plan.depth * self.upsample).float()
-        logits[:, :, self.pad] = float("-inf")
-        drafts, filled = collapse(logits.max(dim=-1).indices, self.mask, plan.depth)
-        # (the blank is the drafter's own symbol, which the verifier's embeddings lack)
-        drafts = drafts.masked_fill(~filled, self.pad)
+        logits = self.mask_logits(state, tokens, lengths, plan.depth * self.upsample)
+        drafts, filled = self.collapsed_drafts(logits, plan.depth)
         return chain(drafts, valid=filled & before_any_eos(drafts, self.eos))
+
+    def collapsed_drafts(self, logits: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        """The k drafts [B, k] of the slots' logits [B, N x k, V], PAD in the places the slots
+        leave empty (the blank is the drafter's own symbol, which the verifier's embeddings
+        lack), and which places they fill [B, k]; on either loop (logits changed in place)."""
+        logits = logits.float()
+        logits[:, :, self.pad] = float("-inf")
+        drafts, filled = collapse(logits.max(dim=-1).indices, self.mask, k)
+        return drafts.masked_fill(~filled, self.pad), filled
