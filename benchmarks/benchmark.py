@@ -86,7 +86,11 @@ from sampling_speed import sampling, sampling_system
 from speed_quality import run, sweep
 from static_cost import static_cost
 
-from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
+from spec_nmt.loading import (
+    DEFAULT_DRAFTER_PRECISION,
+    DRAFTER_PRECISION_HELP,
+    DRAFTER_PRECISION_NAMES,
+)
 from spec_nmt.settings import DEFAULTS, REFERENCE_TOP_BETA
 from spec_nmt.translator import DEFAULT_BATCH_SIZE
 
@@ -101,8 +105,7 @@ def common_flags() -> argparse.ArgumentParser:
                        help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
     flags.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES,
                        default=DEFAULT_DRAFTER_PRECISION,
-                       help="the drafter's feed-forward and output layers in int8 or fp32; "
-                       "auto: int8 on the CPU")  # fmt: skip
+                       help=DRAFTER_PRECISION_HELP)
     flags.add_argument("--threads", type=int, default=None,
                        help="torch threads (default: all cores)")
     flags.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

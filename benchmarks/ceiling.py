@@ -173,7 +173,7 @@ def ceiling(args):
             rows.append(ctranslate2_row(report, compute_type, batch_size, fairseq_ms, greedy_text))
             print(json.dumps(rows[-1]), flush=True)
     result = {"mode": "ceiling", "lines": len(src), "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
-              "environment": environment(args), "rows": rows}  # fmt: skip
+              "environment": environment(args, pair), "rows": rows}  # fmt: skip
     print(ceiling_table(result))
     write_result(args, result)
     if args.headline:
@@ -308,7 +308,8 @@ def block_cost(args):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"mode": "block-cost", "prefix": BLOCK_COST_PREFIX, "repeats": args.repeats,
-              "engines": args.engines, "environment": environment(args), "rows": rows}  # fmt: skip
+              "engines": args.engines, "environment": environment(args, pair),
+              "rows": rows}  # fmt: skip
     columns = [("batch_size", "batch"), ("width", "W")]
     for name in scorers:
         columns += [(f"{name}_ms_per_call", f"{name}: ms per call"),

@@ -25,7 +25,6 @@ from spec_nmt.decoding.drafter import NoDrafter
 from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.tree import chain
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import drafts_in_int8
 from spec_nmt.settings import DEFAULTS
 from spec_nmt.translator import SpecTranslator
 
@@ -169,11 +168,12 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
-def environment(args):
+def environment(args, pair: SpecTranslator):
+    """Where and how a run measured: the machine, the versions, the precisions (the drafter's
+    as loaded) and the command."""
     cpu = cpu_model()
     import fairseq
 
-    int8 = drafts_in_int8(args.drafter_precision, args.device, dtype(args))
     found = {
         "device": args.device,
         "cpu": cpu,
@@ -182,7 +182,7 @@ def environment(args):
         "fairseq": fairseq.__version__,
         "python": platform.python_version(),
         "dtype": "fp16" if args.fp16 else "fp32",
-        "drafter_precision": "int8" if int8 else "fp16" if args.fp16 else "fp32",
+        "drafter_precision": pair.drafter.precision,
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
     if args.device == "cuda":

@@ -188,4 +188,4 @@ def acceptance(args):
                  acceptance_by_position=table["groups"]["all"]["acceptance_by_position"])
             for name, table in tables.items()]  # fmt: skip
     write_result(args, {"mode": "acceptance", "lines": len(src), "block": args.block,
-                        "environment": environment(args), "rows": rows})  # fmt: skip
+                        "environment": environment(args, pair), "rows": rows})  # fmt: skip

@@ -136,7 +136,7 @@ def host_syncs(args):
             rows.append(row)
             print(row, flush=True)
     result = {"mode": "syncs", "lines": len(src), "counted": on_gpu,
-              "environment": environment(args), "rows": rows}  # fmt: skip
+              "environment": environment(args, pair), "rows": rows}  # fmt: skip
     columns = [("batch_size", "batch"), ("system", "system"), ("syncs", "host syncs"),
                ("verifier_calls", "verifier calls (fairseq: steps)"),
                ("syncs_per_verifier_call", "per call"), ("syncs_per_output_token", "per token")]  # fmt: skip

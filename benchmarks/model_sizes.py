@@ -101,7 +101,7 @@ def model_sizes(args):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"mode": "sizes", "lines": len(src), "output_length": args.output_length,
-              "environment": environment(args), "rows": rows}  # fmt: skip
+              "environment": environment(args, base_pair), "rows": rows}  # fmt: skip
     columns = [("size", "size"), ("parameters_millions", "M parameters"), ("batch_size", "batch"),
                ("system", "system"), ("ms_per_output_token", "ms/token"),
                ("speedup_vs_greedy", "× greedy"), ("tokens_per_verifier_call", "tokens/iteration"),

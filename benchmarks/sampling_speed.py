@@ -54,7 +54,7 @@ def sampling(args):
     result = {
         "mode": "sampling", "lines": len(src), "latency_lines": latency_lines,
         "batch_size": args.batch_size, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
-        "environment": environment(args), "rows": rows,
+        "environment": environment(args, pair), "rows": rows,
     }
     print(sampling_table(result))
     write_result(args, result)

@@ -66,7 +66,7 @@ def sweep(args):
     print("best top-beta/tau setting:", json.dumps(best))
     print("best lossless setting:", json.dumps(lossless))
     result = {"mode": "sweep", "lines": len(src), "latency_lines": len(latency_tokens),
-              "environment": environment(args), "rows": rows, "best": best,
+              "environment": environment(args, pair), "rows": rows, "best": best,
               "best_lossless": lossless}
     write_result(args, result)
 
@@ -129,7 +129,7 @@ def run(args):
         "mode": "run", "lines": len(src), "latency_lines": latency_lines,
         "warmup_lines": args.warmup_lines, "batch_size": args.batch_size,
         "sacrebleu_signature": signature, "max_len": f"{MAX_LEN_A}*src_len+{MAX_LEN_B}",
-        "environment": environment(args), "rows": rows,
+        "environment": environment(args, pair), "rows": rows,
     }
     print("sacreBLEU signature:", signature)
     print(markdown_table(result))

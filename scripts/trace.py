@@ -18,7 +18,11 @@ from pathlib import Path
 import torch
 
 from spec_nmt.decoding.rules import RULES
-from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
+from spec_nmt.loading import (
+    DEFAULT_DRAFTER_PRECISION,
+    DRAFTER_PRECISION_HELP,
+    DRAFTER_PRECISION_NAMES,
+)
 from spec_nmt.settings import DEFAULTS, flag_help
 from spec_nmt.translator import SpecTranslator
 
@@ -159,8 +163,7 @@ def main():
                         help="drafter checkpoint instead of MODEL_DIR/drafter.pt")
     parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES,
                         default=DEFAULT_DRAFTER_PRECISION,
-                        help="the drafter's feed-forward and output layers; auto: int8 on the CPU "
-                        "(default: %(default)s)")
+                        help=DRAFTER_PRECISION_HELP + " (default: %(default)s)")
     for name in ("block_size", "beta", "tau", "verify", "tree_branching", "tree_budget",
                  "temperature", "seed"):  # fmt: skip
         default = getattr(DEFAULTS, name)

@@ -37,7 +37,11 @@ from tqdm import tqdm
 from spec_nmt.decoding.loop import DecodingStats
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, DRAFTER_PRECISION_NAMES
+from spec_nmt.loading import (
+    DEFAULT_DRAFTER_PRECISION,
+    DRAFTER_PRECISION_HELP,
+    DRAFTER_PRECISION_NAMES,
+)
 from spec_nmt.runtime import DEFAULT_THREADS, THREADS_HELP, check_threads
 from spec_nmt.settings import (
     DECODING_LOOPS,
@@ -145,9 +149,7 @@ def parse_args(argv=None):
         "--drafter-precision",
         choices=DRAFTER_PRECISION_NAMES,
         default=DEFAULT_DRAFTER_PRECISION,
-        help="the drafter's feed-forward and output layers in int8 (CPU only: cheaper drafts, "
-        "same guarantees, but top-beta/tau output may depend on the batch) or fp32; auto: int8 "
-        "on the CPU (default: %(default)s)",
+        help=DRAFTER_PRECISION_HELP + " (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     if args.buffer_size < 1:
@@ -356,7 +358,7 @@ def report(translator, totals: Totals, args) -> None:
         f"{stats.mean_accepted_per_iteration:.2f} accepted drafts per iteration "
         f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted in "
         f"{stats.iterations} iterations)",
-        f"drafter: {translator.drafter_path}",
+        f"drafter: {translator.drafter_path} ({translator.drafter.precision})",
         f"{speed}, {counted(torch.get_num_threads(), 'CPU thread')}",
         f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
         "log-probability per output token, EOS included, in nats)",

@@ -1,5 +1,6 @@
 """Loading models for speculative decoding: checkpoints, the drafter's adapter and draft
-vocabulary, int8 drafting, and the refusals of files that do not belong together.
+vocabulary, the drafter's precision (bf16, int8), and the refusals of files that do not belong
+together.
 """
 
 import copy
@@ -14,31 +15,40 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 from spec_nmt.checkpoint_loading import checkpoint_arch, model_config
 from spec_nmt.compact_drafter import with_verifier_copies
 from spec_nmt.drafters.ar_drafter import ArDrafter
-from spec_nmt.drafters.cached_drafter import same_weights
+from spec_nmt.drafters.cached_drafter import CachedDrafterModel, same_weights
 from spec_nmt.drafters.feature_drafter import FeatureDrafterModel
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel, restrict_output
 from spec_nmt.errors import SpecNmtError
 
-DRAFTER_PRECISION_NAMES = ("auto", "fp32", "int8")
-# int8 drafts depend on their batch (activation scales per call): opt-in, see drafts_in_int8
-DEFAULT_DRAFTER_PRECISION = "fp32"
+DRAFTER_PRECISION_NAMES = ("auto", "fp32", "bf16", "int8")
+DEFAULT_DRAFTER_PRECISION = "auto"
+DRAFTER_PRECISION_HELP = (
+    "what the drafter's layers compute in: fp32 (the verifier's precision); bf16 (the cached "
+    "drafter on the CPU: half the weight bytes, cheaper drafts); int8 (dynamic quantization of "
+    "its feed-forward and output layers on the CPU; its drafts, and so top-beta/tau output, "
+    "depend on the batch); auto: bf16 where a cached drafter runs on a CPU that multiplies "
+    "bf16 natively (AVX512-BF16 or AMX) in fp32, else fp32. The verifier stays as it is, so "
+    "every rule keeps its guarantee"
+)
 
 
 def load_drafter(task, path: str, verifier_model):
-    """Load a drafter checkpoint for ``task`` onto the verifier's device and dtype (its linear
-    layers in int8 by --drafter-precision): a Spec-Drafter, a cached drafter, or a stock
-    Transformer translation model (autoregressive drafter); returns its decoding adapter."""
+    """Load a drafter checkpoint for ``task`` onto the verifier's device and dtype (its decoder
+    in bf16 or its linear layers in int8 by --drafter-precision): a Spec-Drafter, a cached
+    drafter, or a stock Transformer translation model (autoregressive drafter); returns its
+    decoding adapter, which says its ``precision``."""
     state = with_verifier_copies(read_checkpoint("--drafter-path", path), verifier_model, path)
     arch = checkpoint_arch(state)
     if arch == "feature_drafter":
-        if task.cfg.drafter_precision == "int8":
-            raise SpecNmtError("--drafter-precision int8: a feature drafter drafts in the "
-                               "verifier's precision (drop the flag)")
+        if task.cfg.drafter_precision in ("bf16", "int8"):
+            raise SpecNmtError(f"--drafter-precision {task.cfg.drafter_precision}: a feature "
+                               "drafter drafts in the verifier's precision (drop the flag)")
         model = FeatureDrafterModel.beside(state, path, verifier_model)
         vocabulary = read_draft_vocabulary(state, path, task.target_dictionary, False)
         if vocabulary is not None:
             vocabulary = vocabulary.to(next(model.parameters()).device)
-        return drafter_adapter(model, task.target_dictionary, vocabulary)
+        return _with_precision(drafter_adapter(model, task.target_dictionary, vocabulary),
+                               dtype_name(next(model.parameters()).dtype))  # fmt: skip
     autoregressive = arch is not None and arch.startswith("transformer")
     if not (is_nar_drafter(state) or autoregressive):
         raise SpecNmtError(
@@ -61,12 +71,50 @@ def load_drafter(task, path: str, verifier_model):
         refuse_the_verifier_as_drafter(model, verifier_model, path)
     check_pair(model, verifier_model)
     weights = next(model.parameters())
-    if vocabulary is not None:  # before int8, which then quantizes the smaller projection
+    if vocabulary is not None:  # before int8 or bf16, which then take the smaller projection
         vocabulary = vocabulary.to(weights.device)
         restrict_output(model.decoder, vocabulary)
-    if drafts_in_int8(task.cfg.drafter_precision, weights.device.type, weights.dtype):
+    precision = drafter_precision(task.cfg.drafter_precision, weights.device.type,
+                                  weights.dtype, isinstance(model, CachedDrafterModel))
+    if precision == "bf16":
+        fp32 = drafter_adapter(model, task.target_dictionary, vocabulary)
+        adapter = drafter_adapter(_in_bf16(model), task.target_dictionary, vocabulary)
+        if task.cfg.drafter_precision == "auto":
+            # bf16 drafts depend a little on the batch (rounding by kernel shape): the relaxed
+            # rule, whose translations the drafts decide, drafts with this fp32 twin
+            # (SpeculativeGenerator), so that no translation depends on its batch
+            adapter.fp32_twin = _with_precision(fp32, "fp32")
+        return _with_precision(adapter, precision)
+    if precision == "int8":
         model = _int8_linears(model)
-    return drafter_adapter(model, task.target_dictionary, vocabulary)
+    else:
+        precision = dtype_name(weights.dtype)
+    return _with_precision(drafter_adapter(model, task.target_dictionary, vocabulary), precision)
+
+
+def _in_bf16(model):
+    """A copy of a cached drafter with its decoder in bf16; the frozen encoder copy (the
+    verifier's, unused in decoding) is shared, not copied."""
+    encoder, model.encoder = model.encoder, None
+    try:
+        copied = copy.deepcopy(model)
+    finally:
+        model.encoder = encoder
+    copied.encoder = encoder
+    copied.decoder.to(torch.bfloat16)
+    return copied
+
+
+def _with_precision(adapter, precision: str):
+    """The adapter, with what its drafter computes in (``precision``: fp32, fp16, bf16 or
+    int8) for --stats and the benchmarks' records."""
+    adapter.precision = precision
+    return adapter
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
+        dtype, str(dtype))
 
 
 def load_beside(task, path: str, state, reference_model):
@@ -167,27 +215,40 @@ def with_mask(dictionary):
 
 
 # The layers that --drafter-precision int8 quantizes: the feed-forward layers and the output
-# projection, where int8 pays (2-5x on a CPU). The attention projections stay: int8 was slower
-# there, and fairseq's own attention reads their weights as tensors.
+# projection, where int8 paid (2-5x on a CPU) before the packed fp32 products. The attention
+# projections stay: int8 was slower there, and fairseq's own attention reads their weights as
+# tensors.
 INT8_LAYERS = ("fc1", "fc2", "output_projection")
 
 
-def drafts_in_int8(precision: str, device_type: str, dtype: torch.dtype) -> bool:
-    """Whether a drafter whose weights are on ``device_type`` in ``dtype`` runs its layers in
-    int8: asked for, or ``auto`` on the CPU in fp32, where
-    int8 drafts cost about 0.1 greedy steps less per iteration for the same acceptance
-    (BENCHMARKS.md). Not the default: with activation scales per call, a sentence's drafts (and
-    so its top-beta/tau output) would depend on the batch it is decoded in."""
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles); elsewhere
+    oneDNN converts, and bf16 products lose their edge."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def drafter_precision(precision: str, device_type: str, dtype: torch.dtype,
+                      cached: bool) -> str:  # fmt: skip
+    """What a drafter whose weights are on ``device_type`` in ``dtype`` computes in: "fp32"
+    (as loaded, the verifier's precision), "bf16" or "int8" (both on the CPU in fp32 only; bf16
+    for a ``cached`` drafter only). ``auto`` takes bf16 where a cached drafter runs on a CPU
+    with native bf16 products: half the weight bytes per call, which is what a drafter call
+    costs there (BENCHMARKS.md, "The loop on the CPU"), for the same acceptance. bf16 drafts
+    depend a little on the batch (rounding by kernel shape), so load_drafter gives auto's an
+    fp32 twin for the relaxed rule."""
     if precision not in DRAFTER_PRECISION_NAMES:
-        raise SpecNmtError(
-            f"--drafter-precision must be auto, fp32 or int8, got {precision!r}"
-        )
+        raise SpecNmtError(f"--drafter-precision must be one of "
+                           f"{', '.join(DRAFTER_PRECISION_NAMES)}, got {precision!r}")  # fmt: skip
     cpu_fp32 = device_type == "cpu" and dtype == torch.float32
-    if precision == "int8" and not cpu_fp32:
-        raise SpecNmtError(
-            "--drafter-precision int8 runs on the CPU in fp32 only (add --cpu, drop --fp16)"
-        )
-    return precision == "int8" or (precision == "auto" and cpu_fp32)
+    if precision in ("bf16", "int8") and not cpu_fp32:
+        raise SpecNmtError(f"--drafter-precision {precision} runs on the CPU in fp32 only (add "
+                           "--cpu, drop --fp16)")  # fmt: skip
+    if precision == "bf16" and not cached:
+        raise SpecNmtError("--drafter-precision bf16 serves the cached drafter only (the "
+                           "bundled kind); drop the flag for this drafter")  # fmt: skip
+    if precision == "auto":
+        return "bf16" if cpu_fp32 and cached and native_bf16() else "fp32"
+    return precision
 
 
 def _int8_linears(model):

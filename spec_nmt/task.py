@@ -34,6 +34,7 @@ from spec_nmt.drafters.training_batches import drafter_sample, unwrapped
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import (
     DEFAULT_DRAFTER_PRECISION,
+    DRAFTER_PRECISION_HELP,
     DRAFTER_PRECISION_NAMES,
     load_drafter,
     read_checkpoint,
@@ -74,13 +75,7 @@ class SpecTranslationBaseConfig(TranslationConfig):
     )
     drafter_precision: DRAFTER_PRECISIONS = field(
         default=DEFAULT_DRAFTER_PRECISION,
-        metadata={
-            "help": "the drafter's feed-forward and output layers: fp32, int8 (dynamic "
-            "quantization, CPU only: cheaper drafts), or auto: int8 when the drafter runs on the "
-            "CPU in fp32. The verifier stays as it is, so every rule keeps its guarantee; int8 "
-            "quantizes activations per call, so its drafts, and top-beta/tau output, may depend "
-            "on the batch"
-        },
+        metadata={"help": DRAFTER_PRECISION_HELP},
     )
     eval_acceptance_verifier: Optional[str] = field(
         default=None,

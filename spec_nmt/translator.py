@@ -96,7 +96,7 @@ class SpecTranslator:
         """Load ``model_dir`` onto ``device`` (default: CUDA when available) with its drafter
         for that device (``device_drafter``), or ``drafter_path`` instead, in ``dtype``
         (torch.float16: as fairseq's --fp16);
-        ``drafter_precision`` (auto, fp32, int8) is the task's ``--drafter-precision``.
+        ``drafter_precision`` (auto, fp32, bf16, int8) is the task's ``--drafter-precision``.
         ``settings`` are the defaults of every call. fairseq's and spec_nmt's INFO lines
         (dictionary sizes, loading) go to the log only when ``verbose``; warnings always do.
         ``threads``: torch's CPU threads per operation, set for the whole process

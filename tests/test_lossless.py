@@ -103,8 +103,11 @@ def test_no_drafts_is_stock_greedy(toy, stock_greedy, batch_size):
     assert mean_accepted(output) == 0
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-@pytest.mark.parametrize("drafter", ["drafter", "ar_drafter", "cached_drafter"])
+@pytest.mark.parametrize(
+    "drafter, precision",
+    [(drafter, precision) for drafter in ("drafter", "ar_drafter", "cached_drafter")
+     for precision in ("fp32", "int8")] + [("cached_drafter", "bf16")],
+)  # fmt: skip
 def test_drafter_precision_keeps_lossless_decoding_lossless(toy, stock_greedy, drafter, precision):
     """--drafter-precision changes the drafts only: the verifier still decides every token, and
     each kind of drafter keeps its own adapter (its acceptance stays that of a trained

@@ -7,8 +7,9 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
+from spec_nmt import loading
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import INT8_LAYERS, drafts_in_int8
+from spec_nmt.loading import INT8_LAYERS
 from spec_nmt.settings import DEFAULTS
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BUNDLED_MODEL_DIR
@@ -149,39 +150,76 @@ def int8_layer_names(model):
             if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)}  # fmt: skip
 
 
-def test_drafter_precision_auto_is_int8_on_the_cpu_in_fp32():
-    """With auto on the CPU the drafter's feed-forward layers and output projection go to int8
-    (fp32, the default, keeps them); the verifier never does, so lossless output does not
-    change."""
-    auto = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter_precision="auto")
-    fp32 = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
+@pytest.mark.parametrize("native", [True, False])
+def test_drafter_precision_auto_is_bf16_where_the_cpu_multiplies_bf16(monkeypatch, native):
+    """auto (the default) runs the cached drafter's decoder in bf16 on a CPU with native bf16
+    products, else in fp32; the verifier and the drafter's encoder copy stay fp32, so lossless
+    output does not change, and --stats' precision says which ran."""
+    monkeypatch.setattr(loading, "native_bf16", lambda: native)
+    auto = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
+    fp32 = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter_precision="fp32")
+    wanted = torch.bfloat16 if native else torch.float32
+    assert {p.dtype for p in auto.drafter.model.decoder.parameters()} == {wanted}
+    assert {p.dtype for p in auto.drafter.model.encoder.parameters()} == {torch.float32}
+    assert {p.dtype for p in auto.verifier.parameters()} == {torch.float32}
+    assert auto.drafter.precision == ("bf16" if native else "fp32")
+    assert fp32.drafter.precision == "fp32"
+    assert auto.translate(SENTENCES, batch_size=1) == fp32.translate(SENTENCES)
+    assert auto.decoding_stats.accepted_tokens > 0  # (drafts for a sentence alone)
+    # the relaxed rule, whose output the drafts decide, drafts in fp32: bf16 drafts depend a
+    # little on the batch (test_batch_invariance.py holds translations to it)
+    relaxed = auto.generator(beta=3, tau=1.0).drafter
+    assert relaxed.precision == "fp32" and (relaxed is not auto.drafter) == native
+    assert relaxed.model.decoder.embed_tokens.weight.dtype == torch.float32
+    assert auto.generator().drafter is auto.drafter
+
+
+def test_drafter_precision_int8_quantizes_the_feed_forward_and_output_layers():
+    """int8 (opt-in) puts the drafter's feed-forward layers and output projection in int8, never
+    the verifier's, so lossless output does not change."""
+    int8 = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter_precision="int8")
+    fp32 = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter_precision="fp32")
     assert not int8_layer_names(fp32.drafter.model)
     feed_forward_and_output = {
         name for name, module in fp32.drafter.model.named_modules()
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in INT8_LAYERS
     }  # fmt: skip
     assert len(feed_forward_and_output) > 4  # both drafter kinds' FFNs and output projection
-    assert int8_layer_names(auto.drafter.model) == feed_forward_and_output
-    assert not int8_layer_names(auto.verifier)
-    assert auto.translate(SENTENCES) == fp32.translate(SENTENCES)
+    assert int8_layer_names(int8.drafter.model) == feed_forward_and_output
+    assert not int8_layer_names(int8.verifier)
+    assert int8.drafter.precision == "int8"
+    assert int8.translate(SENTENCES) == fp32.translate(SENTENCES)
 
 
 @pytest.mark.parametrize(
-    "precision,device,dtype,int8",
-    [("auto", "cpu", torch.float32, True), ("auto", "cpu", torch.float16, False),
-     ("auto", "meta", torch.float32, False), ("fp32", "cpu", torch.float32, False),
-     ("int8", "cpu", torch.float32, True), ("int8", "cpu", torch.float16, "CPU in fp32 only"),
-     ("int8", "meta", torch.float32, "CPU in fp32 only"),
-     ("INT8", "cpu", torch.float32, "must be auto, fp32 or int8, got 'INT8'")],
+    "precision,device,dtype,cached,native,decided",
+    [("auto", "cpu", torch.float32, True, True, "bf16"),
+     ("auto", "cpu", torch.float32, True, False, "fp32"),
+     ("auto", "cpu", torch.float32, False, True, "fp32"),
+     ("auto", "cpu", torch.float16, True, True, "fp32"),
+     ("auto", "meta", torch.float32, True, True, "fp32"),
+     ("fp32", "cpu", torch.float32, True, True, "fp32"),
+     ("bf16", "cpu", torch.float32, True, False, "bf16"),
+     ("bf16", "cpu", torch.float32, False, True, "serves the cached drafter only"),
+     ("bf16", "meta", torch.float32, True, True, "CPU in fp32 only"),
+     ("int8", "cpu", torch.float32, False, True, "int8"),
+     ("int8", "cpu", torch.float16, True, True, "CPU in fp32 only"),
+     ("int8", "meta", torch.float32, True, True, "CPU in fp32 only"),
+     ("INT8", "cpu", torch.float32, True, True,
+      "must be one of auto, fp32, bf16, int8, got 'INT8'")],
 )  # fmt: skip
-def test_drafter_precision_decides_int8_by_device_and_dtype(precision, device, dtype, int8):
-    """auto means int8 only where dynamic int8 runs (CPU, fp32); int8 elsewhere is refused, and
-    so is a precision that does not exist."""
-    if isinstance(int8, str):
-        with pytest.raises(SpecNmtError, match=re.escape(int8)):
-            drafts_in_int8(precision, device, dtype)
+def test_drafter_precision_decides_by_device_dtype_drafter_and_cpu(monkeypatch, precision, device,
+                                                                   dtype, cached, native,
+                                                                   decided):  # fmt: skip
+    """auto means bf16 only for a cached drafter on a CPU with native bf16 products, in fp32;
+    bf16 and int8 elsewhere are refused (bf16 also for other drafters), and so is a precision
+    that does not exist."""
+    monkeypatch.setattr(loading, "native_bf16", lambda: native)
+    if decided not in loading.DRAFTER_PRECISION_NAMES:
+        with pytest.raises(SpecNmtError, match=re.escape(decided)):
+            loading.drafter_precision(precision, device, dtype, cached)
     else:
-        assert drafts_in_int8(precision, device, dtype) is int8
+        assert loading.drafter_precision(precision, device, dtype, cached) == decided
 
 
 @pytest.mark.parametrize(

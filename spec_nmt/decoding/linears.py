@@ -38,6 +38,7 @@ PACKING_ROWS = 64
 # 3 are blocks of k = 1 and 2: timed from 4 only, they ran MKL's product on the AMD EPYC, 1.4-1.9
 # times slower there than the packed one (a k = 2 iteration cost more than a k = 3 one)
 TIMED_ROWS = (1, 2, 3, 4, 16, 64)
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 NEVER = 1 << 62  # the packed-from row count of a shape whose packed product never won
 # where each machine's choices are kept (per CPU model, torch version and thread count)
 CHOICES_FILE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spec-nmt" / (
@@ -78,7 +79,7 @@ class PackedLinears:
             return
         for layer in module.modules():
             weight = getattr(layer, "weight", None)
-            if (type(layer) is nn.Linear and weight.dtype == torch.float32
+            if (type(layer) is nn.Linear and weight.dtype in PACKED_DTYPES
                     and weight.device.type == "cpu"):  # fmt: skip
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS)
                 self.weights[layer] = Packed(packed, weight.data_ptr(), weight._version)
@@ -119,7 +120,7 @@ class PackedLinears:
         packing."""
         packed = self.weights.get(linear)
         return not (packed is None or torch.is_grad_enabled()  # (the copy has no gradient)
-                    or x.dtype != torch.float32 or x.device.type != "cpu"
+                    or x.dtype != linear.weight.dtype or x.device.type != "cpu"
                     or linear.weight.data_ptr() != packed.source
                     or linear.weight._version != packed.version
                     or _rows(x) < self.packed_from[tuple(linear.weight.shape)])  # fmt: skip

@@ -87,6 +87,8 @@ class SpeculativeGenerator:
         # k = 0, or a batch too large to draft for: the verifier alone, whatever drafter was
         # loaded
         self.no_drafter = NoDrafter(verifier.max_positions(), len(tgt_dict))
+        if settings.relaxed:  # a bf16 drafter's fp32 twin, where it has one (load_drafter)
+            drafter = getattr(drafter, "fp32_twin", None) or drafter
         self.drafter = drafter if self.plan.depth else self.no_drafter
         self.drafter.check_depth(self.plan.depth)
         self.verify = settings.verify
@@ -192,7 +194,7 @@ class SpeculativeGenerator:
         iterations = int(decoded["iterations"].sum())
         self.stats.iterations += iterations
         self.stats.batched_verifier_calls += decoded["calls"]
-        self.stats.drafted_tokens += plan.depth * iterations
+        self.stats.drafted_tokens += int(decoded["drafted"].sum())
         self.stats.accepted_tokens += int(decoded["accepted"].sum())
         self.stats.output_tokens += int(decoded["lengths"].sum())
         self.stats.sentences += len(source_lengths)

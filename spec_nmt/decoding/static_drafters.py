@@ -60,7 +60,7 @@ class StaticCachedDrafter:
         masks = batch.k * self.upsample
         capacity = batch.capacity + masks - batch.k  # (the verifier's has room for k masks)
         memory = self.decoder.memory(tokens.size(0), capacity, source_length,
-                                     batch.verifier.keys[0].dtype, tokens.device, masked_source)
+                                     self.cached.dtype, tokens.device, masked_source)
         return CachedDrafterBuffers(memory, torch.zeros_like(batch.lengths),
                                     torch.arange(masks, device=tokens.device),
                                     torch.arange(capacity, device=tokens.device))  # fmt: skip
@@ -69,7 +69,7 @@ class StaticCachedDrafter:
         return self.decoder.layers.current()
 
     def fill(self, batch: Batch, net_input: Dict, encoder_out: Dict) -> None:
-        batch.drafter.memory.take_encoder(self.decoder, encoder_out)
+        batch.drafter.memory.take_encoder(self.decoder, self.cached.in_own_dtype(encoder_out))
         batch.drafter.fed.zero_()
 
     def observe(self, batch: Batch, states: Tensor, emitted: Tensor, counts: Tensor) -> None:

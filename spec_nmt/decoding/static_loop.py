@@ -131,8 +131,9 @@ class StaticLoop:
     def decode(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor, longest_limit: int,
                drafter, k: int) -> Dict:  # fmt: skip
         """Decode one batch (``max_lens`` [B] each sentence's output limit, ``longest_limit``
-        their largest); returns each row's tokens, scores, length, iterations and accepted
-        drafts with the source lengths, read to the host at once, and the verifier calls made."""
+        their largest); returns each row's tokens, scores, length, iterations, accepted and
+        proposed drafts with the source lengths, read to the host at once, and the verifier
+        calls made."""
         src_tokens = net_input["src_tokens"]
         drafts = self.drafter_for(drafter) if k else None
         encoder_out = self._encode(net_input)
@@ -150,6 +151,7 @@ class StaticLoop:
         batch.live.copy_(has_source)
         batch.iterations.zero_()
         batch.accepted.zero_()
+        batch.drafted.zero_()
         calls = 0
         while calls <= longest_limit:  # a live row emits a token per call and ends at its limit
             step()
@@ -223,6 +225,7 @@ class StaticLoop:
             live=torch.zeros(rows, dtype=torch.bool, device=device),
             going=torch.zeros(1, dtype=torch.bool, device=device),
             iterations=torch.zeros(rows, **long), accepted=torch.zeros(rows, **long),
+            drafted=torch.zeros(rows, **long),
             offsets=torch.arange(k + 1, **long), slot_index=torch.arange(capacity, **long),
             verifier=self.verifier.memory(rows, capacity, source_length, dtype, device, masked),
             drafter=None,
@@ -279,6 +282,7 @@ class StaticLoop:
         batch.lengths.add_(n_emitted * live)
         batch.iterations.add_(live)
         batch.accepted.add_(n_accepted * live)
+        batch.drafted.add_(draft_tokens.ne(self.pad).sum(dim=1) * live)
         batch.live.logical_and_(~ended)
         batch.going.copy_(batch.live.any().view(1))
 
@@ -307,16 +311,18 @@ def _rule_and_shape(settings: DecodingSettings, plan: DraftPlan) -> bool:
 
 
 def _read_back(batch: Batch, src_lengths: Tensor) -> Dict[str, Tensor]:
-    """Each row's length, iterations, accepted drafts, source length, tokens and scores, copied
-    to the host as one tensor (one wait; the scores' float64 bits ride along as integers)."""
+    """Each row's length, iterations, accepted and proposed drafts, source length, tokens and
+    scores, copied to the host as one tensor (one wait; the scores' float64 bits ride along as
+    integers)."""
     rows, width = batch.tokens.shape
-    counts = (batch.lengths, batch.iterations, batch.accepted, src_lengths.long())
+    counts = (batch.lengths, batch.iterations, batch.accepted, batch.drafted, src_lengths.long())
     scores = batch.scores.double().view(torch.long)
     (packed,) = host_read(torch.cat([*counts, batch.tokens.flatten(), scores.flatten()]))
-    names = ("lengths", "iterations", "accepted", "src_lengths")
-    found = dict(zip(names, packed[: 4 * rows].view(4, rows)))
-    found["tokens"] = packed[4 * rows : (4 + width) * rows].view(rows, width)
-    found["scores"] = packed[(4 + width) * rows :].view(torch.float64).view(rows, -1).float()
+    names = ("lengths", "iterations", "accepted", "drafted", "src_lengths")
+    found = dict(zip(names, packed[: len(names) * rows].view(len(names), rows)))
+    start = len(names) * rows
+    found["tokens"] = packed[start : start + width * rows].view(rows, width)
+    found["scores"] = packed[start + width * rows :].view(torch.float64).view(rows, -1).float()
     return found
 
 

@@ -249,7 +249,19 @@ class CachedDrafter(NarDrafter):
 
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict,
               verifier_state: Optional[ScorerState] = None) -> ScorerState:  # fmt: skip
-        return self.scorer.start(net_input, encoder_out=verifier_encoder_out)
+        return self.scorer.start(net_input, encoder_out=self.in_own_dtype(verifier_encoder_out))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What its decoder computes in: the verifier's, or bf16 (--drafter-precision)."""
+        return self.scorer.decoder.embed_tokens.weight.dtype
+
+    def in_own_dtype(self, verifier_encoder_out: Dict) -> Dict:
+        """The verifier's encoder output in the drafter's dtype, for its encoder attention."""
+        encoded = verifier_encoder_out["encoder_out"][0]
+        if encoded.dtype == self.dtype:
+            return verifier_encoder_out
+        return dict(verifier_encoder_out, encoder_out=[encoded.to(self.dtype)])
 
     def position_logits(self, cache: ScorerState, tokens: Tensor, lengths: Tensor, k: int):
         """Float logits [B, k, D] over the draft columns at the k masks after each row's
