@@ -168,6 +168,15 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
+def drafter_precision(drafter) -> str:
+    """What the drafter drafts in, and in what the relaxed rule's rows drafted where that
+    differs (its fp32 twin, loading.load_drafter)."""
+    twin = getattr(drafter, "fp32_twin", None)
+    if twin is None:
+        return drafter.precision
+    return f"{drafter.precision} (relaxed top-beta/tau: {twin.precision})"
+
+
 def environment(args, pair: SpecTranslator):
     """Where and how a run measured: the machine, the versions, the precisions (the drafter's
     as loaded) and the command."""
@@ -182,7 +191,7 @@ def environment(args, pair: SpecTranslator):
         "fairseq": fairseq.__version__,
         "python": platform.python_version(),
         "dtype": "fp16" if args.fp16 else "fp32",
-        "drafter_precision": pair.drafter.precision,
+        "drafter_precision": drafter_precision(pair.drafter),
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
     if args.device == "cuda":

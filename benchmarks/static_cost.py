@@ -124,7 +124,7 @@ def static_cost(args):
                "top_operations_ms_per_iteration": top}  # fmt: skip
         rows.append(row)
         print(row, flush=True)
-    result = {"mode": "static-cost", "lines": len(src), "environment": environment(args),
+    result = {"mode": "static-cost", "lines": len(src), "environment": environment(args, pair),
               "rows": rows}  # fmt: skip
     columns = [("system", "system"), ("tokens_per_iteration", "tokens / iteration"),
                ("ms_per_token", "ms / token"), ("ms_per_iteration", "ms / iteration"),

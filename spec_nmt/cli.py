@@ -34,6 +34,7 @@ from typing import Callable, Iterator, List, Optional, TextIO
 import torch
 from tqdm import tqdm
 
+from spec_nmt.decoding.drafter import drafter_for_rule
 from spec_nmt.decoding.loop import DecodingStats
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
@@ -358,7 +359,8 @@ def report(translator, totals: Totals, args) -> None:
         f"{stats.mean_accepted_per_iteration:.2f} accepted drafts per iteration "
         f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted in "
         f"{stats.iterations} iterations)",
-        f"drafter: {translator.drafter_path} ({translator.drafter.precision})",
+        f"drafter: {translator.drafter_path} "
+        f"({drafter_for_rule(translator.drafter, translator.settings).precision})",
         f"{speed}, {counted(torch.get_num_threads(), 'CPU thread')}",
         f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
         "log-probability per output token, EOS included, in nats)",

@@ -25,9 +25,10 @@ DEFAULT_DRAFTER_PRECISION = "auto"
 DRAFTER_PRECISION_HELP = (
     "what the drafter's layers compute in: fp32 (the verifier's precision); bf16 (the cached "
     "drafter on the CPU: half the weight bytes, cheaper drafts); int8 (dynamic quantization of "
-    "its feed-forward and output layers on the CPU; its drafts, and so top-beta/tau output, "
-    "depend on the batch); auto: bf16 where a cached drafter runs on a CPU that multiplies "
-    "bf16 natively (AVX512-BF16 or AMX) in fp32, else fp32. The verifier stays as it is, so "
+    "its feed-forward and output layers on the CPU). bf16 and int8 drafts depend a little on "
+    "the batch, and so does relaxed top-beta/tau output with them; auto: bf16 where a cached "
+    "drafter runs on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX) in fp32, except "
+    "for relaxed top-beta/tau, which drafts in fp32; else fp32. The verifier stays as it is, so "
     "every rule keeps its guarantee"
 )
 
@@ -77,13 +78,14 @@ def load_drafter(task, path: str, verifier_model):
     precision = drafter_precision(task.cfg.drafter_precision, weights.device.type,
                                   weights.dtype, isinstance(model, CachedDrafterModel))
     if precision == "bf16":
-        fp32 = drafter_adapter(model, task.target_dictionary, vocabulary)
         adapter = drafter_adapter(_in_bf16(model), task.target_dictionary, vocabulary)
         if task.cfg.drafter_precision == "auto":
             # bf16 drafts depend a little on the batch (rounding by kernel shape): the relaxed
             # rule, whose translations the drafts decide, drafts with this fp32 twin
-            # (SpeculativeGenerator), so that no translation depends on its batch
-            adapter.fp32_twin = _with_precision(fp32, "fp32")
+            # (decoding/drafter.py, drafter_for_rule), so that no translation depends on its
+            # batch
+            adapter.fp32_twin = _with_precision(
+                drafter_adapter(model, task.target_dictionary, vocabulary), "fp32")
         return _with_precision(adapter, precision)
     if precision == "int8":
         model = _int8_linears(model)
@@ -224,7 +226,9 @@ INT8_LAYERS = ("fc1", "fc2", "output_projection")
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles); elsewhere
     oneDNN converts, and bf16 products lose their edge."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    # (private checks of torch.cpu: a torch without them is taken for a CPU without)
+    return any(getattr(torch.cpu, check, lambda: False)()
+               for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def drafter_precision(precision: str, device_type: str, dtype: torch.dtype,

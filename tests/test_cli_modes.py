@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from spec_nmt import cli as translate_cli
+from spec_nmt import loading
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DEFAULTS
 from spec_nmt.translator import SpecTranslator
@@ -59,9 +60,14 @@ def test_stats_of_a_drafting_run_count_the_accepted_drafts(capsys, tmp_path):
     out, err = run_main(capsys, "--input", path, "--batch-size", 1, "--stats")
     assert len(out) == len(LINES)
     assert "drafting on: --verify top_beta, --block-size 3" in err
-    assert f"stats: drafter: {BUNDLED_MODEL_DIR / 'drafter.pt'}" in err
+    # the precision it drafted in (--drafter-precision auto: bf16 on a CPU with native bf16)
+    precision = "bf16" if loading.native_bf16() else "fp32"
+    assert f"stats: drafter: {BUNDLED_MODEL_DIR / 'drafter.pt'} ({precision})" in err
     accepted = float(re.search(r"stats: ([0-9.]+) accepted drafts per iteration", err).group(1))
     assert accepted > 0
+    _, err = run_main(capsys, "--input", path, "--batch-size", 1, "--beta", 3, "--tau", 1,
+                      "--stats", "--quiet")  # fmt: skip
+    assert f"stats: drafter: {BUNDLED_MODEL_DIR / 'drafter.pt'} (fp32)" in err  # its fp32 twin
     out, err = run_main(capsys, "--input", path, "--block-size", 0, "--stats", "--quiet")
     assert "drafting off: --block-size 0" in err
     assert "target tokens in" not in err  # --quiet keeps the throughput line out, not --stats

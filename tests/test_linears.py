@@ -24,7 +24,7 @@ needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch ha
 @pytest.fixture
 def packed_from_one_row(monkeypatch):
     """Every weight shape runs packed from one row on, whatever this CPU's timings say."""
-    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs: 1)
+    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs, dtype: 1)
 
 
 def layers():
@@ -34,19 +34,25 @@ def layers():
 
 @needs_onednn
 @torch.no_grad()
-def test_packed_products_are_the_layers_own(packed_from_one_row):
-    model = layers()
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_products_are_the_layers_own(packed_from_one_row, dtype, tolerance):
+    """In fp32, and in bf16 (a drafter's, --drafter-precision), up to rounding."""
+    model = layers().to(dtype)
     project = PackedLinears(model)
-    assert set(project.weights) == set(model)  # every fp32 linear layer
+    assert set(project.weights) == set(model)  # every fp32 or bf16 linear layer
     wide, narrow, small = model
+    close = dict(rtol=tolerance, atol=tolerance)
     for rows in (1, 4, 11, 96):
-        x = torch.randn(rows, 256)
-        torch.testing.assert_close(project(wide, x), wide(x), rtol=1e-5, atol=1e-5)
+        x = torch.randn(rows, 256, dtype=dtype)
+        torch.testing.assert_close(project(wide, x), wide(x), **close)
     # 3-d and not contiguous, as the decoder's [W, B, C] features after a transpose
-    x = torch.randn(4, 3, 1024).transpose(0, 1)
-    torch.testing.assert_close(project(narrow, x), narrow(x), rtol=1e-5, atol=1e-5)
-    x = torch.randn(1, 8)
-    torch.testing.assert_close(project(small, x), small(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 3, 1024, dtype=dtype).transpose(0, 1)
+    torch.testing.assert_close(project(narrow, x), narrow(x), **close)
+    x = torch.randn(1, 8, dtype=dtype)
+    torch.testing.assert_close(project(small, x), small(x), **close)
+    # an input in another dtype goes to the layer itself (which refuses it)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert not project._serves(wide, torch.randn(4, 256, dtype=other))
 
 
 def calls_of(layer):
@@ -121,12 +127,15 @@ def test_a_machines_choice_is_timed_once_then_read_back(monkeypatch, tmp_path):
     monkeypatch.setattr(linears, "CHOICES_FILE", tmp_path / "cache" / "kernels.json")
     timed = []
     monkeypatch.setattr(linears, "_timed_packed_from",
-                        lambda outputs, inputs: timed.append((outputs, inputs)) or 16)
-    assert linears._packed_from(8, 4) == 16 and timed == [(8, 4)]
-    assert linears._packed_from(8, 4) == 16 and timed == [(8, 4)]
-    assert linears._packed_from(4, 8) == 16 and timed == [(8, 4), (4, 8)]
+                        lambda outputs, inputs, dtype: timed.append((outputs, inputs, dtype))
+                        or 16)  # fmt: skip
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert linears._packed_from(8, 4, fp32) == 16 and timed == [(8, 4, fp32)]
+    assert linears._packed_from(8, 4, fp32) == 16 and timed == [(8, 4, fp32)]
+    assert linears._packed_from(4, 8, fp32) == 16 and timed == [(8, 4, fp32), (4, 8, fp32)]
+    assert linears._packed_from(8, 4, bf16) == 16 and timed[-1] == (8, 4, bf16)  # its own
     recorded = json.loads((tmp_path / "cache" / "kernels.json").read_text())
-    assert recorded == {linears._machine(): {"8x4": 16, "4x8": 16}}
+    assert recorded == {linears._machine(): {"8x4": 16, "4x8": 16, "8x4 bfloat16": 16}}
 
 
 def test_a_choice_recorded_from_other_timed_row_counts_is_timed_again(monkeypatch, tmp_path):
@@ -139,14 +148,14 @@ def test_a_choice_recorded_from_other_timed_row_counts_is_timed_again(monkeypatc
     (tmp_path / "kernels.json").write_text(json.dumps({stale: {"8x4": 4}}))
     timed = []
     monkeypatch.setattr(linears, "_timed_packed_from",
-                        lambda outputs, inputs: timed.append((outputs, inputs)) or 2)
-    assert linears._packed_from(8, 4) == 2 and timed == [(8, 4)]
+                        lambda outputs, inputs, dtype: timed.append((outputs, inputs)) or 2)
+    assert linears._packed_from(8, 4, torch.float32) == 2 and timed == [(8, 4)]
 
 
 @needs_onednn
 def test_timing_the_kernels_leaves_the_random_state_alone():
     state = torch.get_rng_state()
-    linears._timed_packed_from(16, 8)
+    linears._timed_packed_from(16, 8, torch.float32)
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -154,7 +163,7 @@ def test_timing_the_kernels_leaves_the_random_state_alone():
 @torch.no_grad()
 def test_fewer_rows_than_a_shape_runs_packed_from_go_to_the_layer_itself(monkeypatch):
     """Each shape's own row count (timed when packed) decides, alone and in a group."""
-    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs: 16)
+    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs, dtype: 16)
     model, _ = tiny_transformer()
     attn = model.decoder.layers[0].self_attn
     group = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -198,7 +207,8 @@ def test_the_encoder_forward_gives_the_stock_encoders_output(monkeypatch, varian
     padding and lengths, with the layers' own products and with packed ones."""
     if packed and not packing_available():
         pytest.skip("this torch has no oneDNN")
-    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs: 1 if packed else NEVER)
+    monkeypatch.setattr(linears, "_packed_from",
+                        lambda outputs, inputs, dtype: 1 if packed else NEVER)
     model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
     assert scripted_layers.encoder_supported(model.encoder)
     verifier = BlockScorer(model)

@@ -1,6 +1,10 @@
 """The static-cost benchmark mode's iteration timer (benchmarks/static_cost.py): it times every
 iteration the static loop runs, one by one, and decoding through it is unchanged."""
 
+import json
+import subprocess
+import sys
+
 import torch
 
 from spec_nmt.decoding.loop import DecodingStats
@@ -32,3 +36,17 @@ def test_the_timer_sees_every_iteration_and_changes_no_output():
     assert timed == untimed
     assert timer.count == generator.stats.iterations > len(lines)
     assert timer.seconds > 0
+
+
+def test_the_mode_writes_its_rows_end_to_end(tmp_path):
+    """``benchmark.py static-cost`` on one line: a row per system, with its record."""
+    result = tmp_path / "cost.json"
+    subprocess.run([sys.executable, "benchmarks/benchmark.py", "static-cost",
+                    str(BUNDLED_MODEL_DIR), "--src", str(REPO / "data" / "examples.de"),
+                    "--lines", "1", "--blocks", "3", "--warmup-lines", "0", "--threads", "1",
+                    "--json", str(result)], cwd=REPO, check=True, capture_output=True)  # fmt: skip
+    found = json.loads(result.read_text())
+    assert [row["system"] for row in found["rows"]] == ["no drafts", "oracle k=3",
+                                                        "real drafter k=3"]  # fmt: skip
+    assert all(row["iterations"] > 0 for row in found["rows"])
+    assert found["environment"]["drafter_precision"]

@@ -163,7 +163,8 @@ def test_the_common_decoder_layers_run_as_one_scripted_call_with_the_modules_log
     caches."""
     if packed and not linears.packing_available():
         pytest.skip("this torch has no oneDNN")
-    monkeypatch.setattr(linears, "_packed_from", lambda outputs, inputs: 1 if packed else NEVER)
+    monkeypatch.setattr(linears, "_packed_from",
+                        lambda outputs, inputs, dtype: 1 if packed else NEVER)
     model, dictionary = tiny_transformer(**DECODER_VARIANTS[variant])
     assert scripted_layers.decoder_supported(model.decoder) == (variant in SCRIPTED_VARIANTS)
     scripted, modules = BlockScorer(model), BlockScorer(model)

@@ -71,6 +71,15 @@ Expand = Callable[[Tensor, Tensor, int, bool], Tensor]
 # chains all end chains so.
 
 
+def drafter_for_rule(drafter, settings) -> "Drafter":
+    """The drafter a rule drafts with: for the relaxed rule, whose translations the drafts
+    decide, a bf16 drafter's fp32 twin where it has one (loading.load_drafter: bf16 drafts
+    depend a little on the batch)."""
+    if settings.relaxed:
+        return getattr(drafter, "fp32_twin", None) or drafter
+    return drafter
+
+
 def goes_on(drafts: Tensor, draft_probs: Tensor, valid: Tensor, stop_below: float,
             eos: int) -> Tensor:  # fmt: skip
     """Whether each row's chain goes on after its ``drafts`` (their probabilities under the

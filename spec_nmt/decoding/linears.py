@@ -1,4 +1,4 @@
-"""Linear layers for decoding: fp32 matrix products with weights prepacked for oneDNN.
+"""Linear layers for decoding: fp32 (and bf16) matrix products with weights prepacked for oneDNN.
 
 A block of a few entries per row is the worst shape for the CPU's default fp32 products (MKL's
 ``addmm``) on AMD, where a weight packed once for oneDNN is several times faster. On Intel MKL
@@ -6,15 +6,16 @@ is the faster one for a single row, and oneDNN from a few rows on (docs/lab-note
 "Prepacked fp32 products" and "The decoder and encoder layers as one TorchScript function").
 So each weight shape is timed both ways the first time a machine packs it, and runs packed
 from the row count where that was faster. The choice is recorded (CHOICES_FILE) and kept, so
-that every run on a machine rounds alike. The products stay fp32: only their summation order
-changes, as it already does between one entry and a block.
+that every run on a machine rounds alike. The products keep their precision: only their
+summation order changes, as it already does between one entry and a block. A bf16 drafter's
+weights (--drafter-precision) are packed and timed the same way, in bf16.
 
-``PackedLinears(module)`` packs every fp32 ``nn.Linear`` of a module (when this torch has oneDNN
-and the weights are on the CPU) and is then called as ``project(linear, x)`` wherever a decoding
-forward would call ``linear(x)``. The packed copies are taken when it is made; a layer whose
-weight was replaced or changed in place since, or an input that is not fp32 on the CPU, goes to
-the layer itself (an optimizer writing through ``.data`` is not seen: training never goes
-through it, and drafters under training get a new one per validation).
+``PackedLinears(module)`` packs every fp32 or bf16 ``nn.Linear`` of a module (when this torch has
+oneDNN and the weights are on the CPU) and is then called as ``project(linear, x)`` wherever a
+decoding forward would call ``linear(x)``. The packed copies are taken when it is made; a layer
+whose weight was replaced or changed in place since, or an input not on the CPU in the weight's
+dtype, goes to the layer itself (an optimizer writing through ``.data`` is not seen: training
+never goes through it, and drafters under training get a new one per validation).
 """
 
 import json
@@ -73,8 +74,8 @@ class PackedLinears:
     def __init__(self, module: nn.Module):
         self.weights: Dict[nn.Linear, Packed] = {}
         self.groups: Dict[Tuple[nn.Linear, ...], PackedGroup] = {}
-        # per weight shape (outputs, inputs): the fewest rows from which it runs packed
-        self.packed_from: Dict[Tuple[int, int], int] = {}
+        # per weight shape (outputs, inputs, dtype): the fewest rows from which it runs packed
+        self.packed_from: Dict[Tuple[int, int, torch.dtype], int] = {}
         if not packing_available():
             return
         for layer in module.modules():
@@ -88,10 +89,11 @@ class PackedLinears:
                 layers = (attention.q_proj, attention.k_proj, attention.v_proj)
                 if all(layer in self.weights for layer in layers):
                     self._group(layers)
-        shapes = {tuple(layer.weight.shape) for layer in self.weights}
+        shapes = {_shape(layer) for layer in self.weights}
         shapes |= {_group_shape(layers, group) for layers, group in self.groups.items()}
         with torch.no_grad():
-            self.packed_from = {shape: _packed_from(*shape) for shape in sorted(shapes)}
+            self.packed_from = {shape: _packed_from(*shape)
+                                for shape in sorted(shapes, key=str)}  # fmt: skip
 
     def _group(self, layers: Tuple[nn.Linear, ...]) -> None:
         biases = [layer.bias for layer in layers]
@@ -115,22 +117,22 @@ class PackedLinears:
         return list(product.split(group.sizes, dim=-1))
 
     def _serves(self, linear: nn.Module, x: Tensor) -> bool:
-        """Whether the packed copy of ``linear`` serves input ``x``: no gradient wanted, x fp32
-        on the CPU with as many rows as its shape runs packed from, the weight unchanged since
-        packing."""
+        """Whether the packed copy of ``linear`` serves input ``x``: no gradient wanted, x on
+        the CPU in the weight's dtype with as many rows as its shape runs packed from, the
+        weight unchanged since packing."""
         packed = self.weights.get(linear)
         return not (packed is None or torch.is_grad_enabled()  # (the copy has no gradient)
                     or x.dtype != linear.weight.dtype or x.device.type != "cpu"
                     or linear.weight.data_ptr() != packed.source
                     or linear.weight._version != packed.version
-                    or _rows(x) < self.packed_from[tuple(linear.weight.shape)])  # fmt: skip
+                    or _rows(x) < self.packed_from[_shape(linear)])  # fmt: skip
 
     def packed_weight(self, linears: Tuple[nn.Linear, ...], rows: int) -> Optional[Tensor]:
-        """The packed copy of a layer (one) or group (several) for an fp32 CPU input of ``rows``
-        rows without gradient: None where it is the layer's own product that runs."""
+        """The packed copy of a layer (one) or group (several) for a CPU input of ``rows`` rows
+        in the weight's dtype, without gradient: None where the layer's own product runs."""
         if len(linears) == 1:
             packed = self.weights.get(linears[0])
-            shape = tuple(linears[0].weight.shape)
+            shape = _shape(linears[0])
         else:
             packed = self.groups.get(linears)
             shape = _group_shape(linears, packed) if packed else None
@@ -154,23 +156,30 @@ class PackedLinears:
         return torch.ops.mkldnn._linear_pointwise(x, packed, linear.bias, "none", [], "")
 
 
-def _group_shape(linears: Tuple[nn.Linear, ...], group: PackedGroup) -> Tuple[int, int]:
-    return sum(group.sizes), linears[0].in_features
+def _shape(linear: nn.Linear) -> Tuple[int, int, torch.dtype]:
+    return (*linear.weight.shape, linear.weight.dtype)
+
+
+def _group_shape(linears: Tuple[nn.Linear, ...],
+                 group: PackedGroup) -> Tuple[int, int, torch.dtype]:  # fmt: skip
+    return sum(group.sizes), linears[0].in_features, linears[0].weight.dtype
 
 
 def _rows(x: Tensor) -> int:
     return x.numel() // x.size(-1) if x.dim() else 0
 
 
-def _packed_from(outputs: int, inputs: int) -> int:
+def _packed_from(outputs: int, inputs: int, dtype: torch.dtype) -> int:
     """The fewest rows from which a packed product of this shape runs: as recorded for this
     machine in CHOICES_FILE, else timed now (``first_of_last_run`` over TIMED_ROWS) and
     recorded, so that every later run here rounds the same way."""
     machine, shape = _machine(), f"{outputs}x{inputs}"
+    if dtype != torch.float32:  # (fp32's records keep the name they had before bf16)
+        shape += f" {str(dtype).removeprefix('torch.')}"
     choices = _recorded_choices()
     if shape in choices.get(machine, {}):
         return choices[machine][shape]
-    packed_from = _timed_packed_from(outputs, inputs)
+    packed_from = _timed_packed_from(outputs, inputs, dtype)
     choices = _recorded_choices()  # as another process may have left it meanwhile
     choices.setdefault(machine, {})[shape] = packed_from
     try:
@@ -204,15 +213,15 @@ def _recorded_choices() -> Dict[str, Dict[str, int]]:
         return {}
 
 
-def _timed_packed_from(outputs: int, inputs: int) -> int:
+def _timed_packed_from(outputs: int, inputs: int, dtype: torch.dtype) -> int:
     """Time both products of this shape (on constant values: they do not change the time, and
     the global random state stays as it was)."""
-    weight = torch.full((outputs, inputs), 0.5)
-    bias = torch.full((outputs,), 0.5)
+    weight = torch.full((outputs, inputs), 0.5, dtype=dtype)
+    bias = torch.full((outputs,), 0.5, dtype=dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
     faster = []
     for rows in TIMED_ROWS:
-        x = torch.full((rows, inputs), 0.5)
+        x = torch.full((rows, inputs), 0.5, dtype=dtype)
         own = _seconds(lambda: torch.nn.functional.linear(x, weight, bias))
         onednn = _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
                                                                      [], ""))  # fmt: skip

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.drafter import Drafter, NoDrafter, pending_tokens
+from spec_nmt.decoding.drafter import Drafter, NoDrafter, drafter_for_rule, pending_tokens
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.static_loop import StaticLoop, emitted_tokens
 from spec_nmt.decoding.trace import IterationRecord, trace_records
@@ -87,8 +87,7 @@ class SpeculativeGenerator:
         # k = 0, or a batch too large to draft for: the verifier alone, whatever drafter was
         # loaded
         self.no_drafter = NoDrafter(verifier.max_positions(), len(tgt_dict))
-        if settings.relaxed:  # a bf16 drafter's fp32 twin, where it has one (load_drafter)
-            drafter = getattr(drafter, "fp32_twin", None) or drafter
+        drafter = drafter_for_rule(drafter, settings)
         self.drafter = drafter if self.plan.depth else self.no_drafter
         self.drafter.check_depth(self.plan.depth)
         self.verify = settings.verify

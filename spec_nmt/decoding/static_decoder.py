@@ -109,7 +109,7 @@ class Batch:
     going: Tensor  # [1] bool: some row is live (what the host reads)
     iterations: Tensor  # [B] per row, while it was live
     accepted: Tensor  # [B]
-    drafted: Tensor  # [B] drafts proposed while live (PAD, an empty place, is none)
+    drafted: Tensor  # [B] drafts proposed while live: none at PAD (an empty place) or past an EOS
     offsets: Tensor  # [k + 1] 0 .. k
     slot_index: Tensor  # [capacity] 0 .. capacity - 1
     verifier: Memory

@@ -38,6 +38,7 @@ from spec_nmt.decoding.rules import accept_top_beta
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.decoding.static_decoder import Batch, StaticDecoder
 from spec_nmt.decoding.static_drafters import StaticDrafter, has_static_form, static_drafter
+from spec_nmt.decoding.tree import before_any_eos
 from spec_nmt.settings import DecodingSettings, DraftPlan
 
 logger = logging.getLogger(__name__)
@@ -282,7 +283,8 @@ class StaticLoop:
         batch.lengths.add_(n_emitted * live)
         batch.iterations.add_(live)
         batch.accepted.add_(n_accepted * live)
-        batch.drafted.add_(draft_tokens.ne(self.pad).sum(dim=1) * live)
+        drafted = draft_tokens.ne(self.pad) & before_any_eos(draft_tokens, self.eos)
+        batch.drafted.add_(drafted.sum(dim=1) * live)  # as the dynamic loop's tree.valid
         batch.live.logical_and_(~ended)
         batch.going.copy_(batch.live.any().view(1))
 
