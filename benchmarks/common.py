@@ -168,9 +168,9 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
-def drafter_precision(drafter) -> str:
-    """What the drafter drafts in, and in what the relaxed rule's rows drafted where that
-    differs (its fp32 twin, loading.load_drafter)."""
+def drafted_in(drafter) -> str:
+    """What the drafter drafts in (loading.drafter_precision decided it), and in what the
+    relaxed rule's rows drafted where that differs (its fp32 twin, loading.load_drafter)."""
     twin = getattr(drafter, "fp32_twin", None)
     if twin is None:
         return drafter.precision
@@ -191,7 +191,7 @@ def environment(args, pair: SpecTranslator):
         "fairseq": fairseq.__version__,
         "python": platform.python_version(),
         "dtype": "fp16" if args.fp16 else "fp32",
-        "drafter_precision": drafter_precision(pair.drafter),
+        "drafter_precision": drafted_in(pair.drafter),
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     }
     if args.device == "cuda":

@@ -11,8 +11,8 @@ hundred small kernels of an iteration are launched one by one from Python. Here,
   block overwrites it;
 - every block has a fixed width. The verifier scores [pending token, k drafts]; the cached
   drafter feeds k + 1 prefix slots (the at most k + 1 tokens committed since its last call, then
-  slots no mask sees) and its k masks (N x k in its CTC form); the feature drafter feeds the verifier's k + 1 states of
-  its last block the same way, then takes k one-entry steps;
+  slots no mask sees) and its k masks (N x k in its CTC form); the feature drafter feeds the
+  verifier's k + 1 states of its last block the same way, then takes k one-entry steps;
 - acceptance (top-beta/tau, lossless with beta 1), the commit and the next input are computed on
   the device. A finished row stays in the batch and changes nothing;
 - the host reads one flag per iteration but the first (whether a row is still going) and the
