@@ -185,6 +185,11 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                      "encoder stays scripted)")
     sub.add_argument("--lossless-blocks", type=comma_list(int), default=[],
                      help="add the real drafter, lossless, at each of these k")
+    sub.add_argument("--compile-static", metavar="MODE", default=None,
+                     help="add the drafter-less loop and the defaults on the static loop with "
+                     "its iteration compiled by torch.compile in this mode (default, "
+                     "max-autotune-no-cudagraphs; on CUDA still captured in the loop's graph), "
+                     "compiled before the timed run")
     sub.add_argument("--top-beta", type=setting, default=None,
                      help="add the real drafter with this K:BETA:TAU (e.g. 5:3:1)")
     sub.add_argument("--draft-stops", type=comma_list(stopped_chain), default=[],

@@ -38,6 +38,7 @@ from spec_nmt.decoding import scripted_layers
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.decoding.static_loop import StaticLoop
 
 
 def ceiling_systems(args, pair, tokens, alone, greedy):
@@ -59,6 +60,12 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
         systems["spec-nmt defaults, stock decoder modules"] = through_modules(defaults(pair))
     if args.beam5:
         systems["fairseq beam5"] = fairseq_generator(pair, 5)
+    if args.compile_static:
+        mode = args.compile_static
+        systems[f"spec-nmt greedy (no drafts), static loop compiled ({mode})"] = compiled(
+            pair.generator(block_size=0, decoding_loop="static"), mode)
+        systems[f"spec-nmt defaults, static loop compiled ({mode})"] = compiled(
+            pair.generator(decoding_loop="static"), mode)
     for block in args.lossless_blocks:
         systems[f"spec lossless, real drafter k={block}"] = speculating(pair, block_size=block)
     for block, stop in args.draft_stops:
@@ -96,6 +103,15 @@ def through_modules(generator: SpeculativeGenerator) -> SpeculativeGenerator:
     return generator
 
 
+def compiled(generator: SpeculativeGenerator, mode: str) -> SpeculativeGenerator:
+    """The generator on a static loop of its own whose iteration torch.compile compiles in
+    ``mode`` (the task shares one loop between generators of equal settings)."""
+    generator.static = StaticLoop(generator.verifier, generator.settings, generator.eos,
+                                  generator.pad, generator.unk)  # fmt: skip
+    generator.static.compile_mode = mode
+    return generator
+
+
 def ctranslate2_row(report, compute_type: str, batch_size: int, fairseq_ms: float,
                     greedy_text) -> dict:  # fmt: skip
     """A CTranslate2 run's row beside fairseq greedy's ms per token and translations."""
@@ -123,9 +139,12 @@ def ceiling(args):
         systems = ceiling_systems(args, pair, tokens, alone, greedy)
         decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
         speculative = [name for name, g in systems.items() if isinstance(g, SpeculativeGenerator)]
-        if pair.device.type == "cuda":  # every graph the timed run replays, captured before it
-            decode_all(pair, {name: systems[name] for name in speculative
-                              if systems[name].on_static_loop}, tokens, batch_size)
+        # every graph the timed run replays captured before it (CUDA), and every iteration it
+        # runs compiled (any device)
+        prepared = [name for name in speculative if systems[name].on_static_loop and (
+            pair.device.type == "cuda" or systems[name].static.compile_mode is not None)]
+        if prepared:
+            decode_all(pair, {name: systems[name] for name in prepared}, tokens, batch_size)
         # On a GPU the phase timers wait for the GPU at every phase, which would slow the timed
         # run: there the breakdown comes from a second run of the speculative systems. The
         # static loop's iteration is one call (one graph on a GPU): it has no phases to time.

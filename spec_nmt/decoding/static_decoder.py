@@ -83,7 +83,8 @@ class StaticDecoder:
         decoder, layers = self.decoder, self.layers
         x = block_forward.embed(decoder, tokens, positions, self.table, inputs).transpose(0, 1)
         function = scripted_layers.decoder_layers
-        if x.device.type == "cpu" and scripted_layers.decoder_layers_scripted is not None:
+        if (x.device.type == "cpu" and scripted_layers.decoder_layers_scripted is not None
+                and not torch.compiler.is_compiling()):  # (torch.compile reads the Python)
             function = scripted_layers.decoder_layers_scripted
         x = function(x, layers.layers, layers.packed(x.size(0) * x.size(1)), memory.keys,
                      memory.values, 0, slots, memory.keys[0].size(2), bias, memory.encoder_keys,

@@ -76,6 +76,14 @@ class StaticLoop:
         self._graph_pool = None
         # False: on CUDA too every iteration runs eagerly (the same kernels, launched one by one)
         self.capture_graphs = True
+        # torch.compile's mode for the iteration ("default", "max-autotune-no-cudagraphs":
+        # inductor fuses its small kernels, and on CUDA the loop captures the compiled iteration
+        # in its own graph, since inductor's CUDA graphs skip a graph that writes into its
+        # inputs, as this one does); None: the iteration as written. Issue 56's other route,
+        # for the benchmark (ceiling --compile-static): slower on the CPU (docs/lab-notes.md,
+        # "The static loop compiled by torch.compile")
+        self.compile_mode: Optional[str] = None
+        self._compiled_iteration = None
         # whether batches take the shapes of a captured graph (source lengths in buckets, the
         # encoder without host reads); None: on CUDA. (The CPU tests set it, to check them.)
         self.graph_shapes: Optional[bool] = None
@@ -195,8 +203,10 @@ class StaticLoop:
             batch = self._allocate(rows, capacity, source_length, longest_limit, k, dtype, device,
                                    masked, drafts)  # fmt: skip
 
+            run = self._iteration if self.compile_mode is None else self._compiled()
+
             def iteration():
-                self._iteration(batch, drafts)
+                run(batch, drafts)
 
             step = iteration
             if captured:
@@ -213,7 +223,20 @@ class StaticLoop:
         return batch, step
 
     def _graph_shapes(self, device: torch.device) -> bool:
-        return device.type == "cuda" if self.graph_shapes is None else self.graph_shapes
+        if self.graph_shapes is None:  # (compiled, the CPU compiles the graph a GPU would run)
+            return device.type == "cuda" or self.compile_mode is not None
+        return self.graph_shapes
+
+    def _compiled(self):
+        """The iteration compiled by torch.compile in ``compile_mode``, once per loop. Its
+        first shape compiles for that shape, a second makes the sizes that changed symbolic
+        (torch's automatic dynamic shapes): two compilations instead of one per source bucket
+        (15 s each on 2 CPU cores). The products are the layers' own, in Python (TorchScript
+        and the packed oneDNN copies cannot be traced: the decoder and linears skip them while
+        compiling)."""
+        if self._compiled_iteration is None:
+            self._compiled_iteration = torch.compile(self._iteration, mode=self.compile_mode)
+        return self._compiled_iteration
 
     def _allocate(self, rows, capacity, source_length, longest_limit, k, dtype, device, masked,
                   drafts) -> Batch:  # fmt: skip
