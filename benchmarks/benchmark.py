@@ -86,6 +86,7 @@ from sampling_speed import sampling, sampling_system
 from speed_quality import run, sweep
 from static_cost import static_cost
 
+from spec_nmt.decoding.static_loop import COMPILE_MODES
 from spec_nmt.loading import (
     DEFAULT_DRAFTER_PRECISION,
     DRAFTER_PRECISION_HELP,
@@ -185,11 +186,10 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                      "encoder stays scripted)")
     sub.add_argument("--lossless-blocks", type=comma_list(int), default=[],
                      help="add the real drafter, lossless, at each of these k")
-    sub.add_argument("--compile-static", metavar="MODE", default=None,
+    sub.add_argument("--compile-static", metavar="MODE", default=None, choices=COMPILE_MODES,
                      help="add the drafter-less loop and the defaults on the static loop with "
-                     "its iteration compiled by torch.compile in this mode (default, "
-                     "max-autotune-no-cudagraphs; on CUDA still captured in the loop's graph), "
-                     "compiled before the timed run")
+                     "its iteration compiled by torch.compile in this mode (on CUDA still "
+                     "captured in the loop's graph), compiled before the timed run")
     sub.add_argument("--top-beta", type=setting, default=None,
                      help="add the real drafter with this K:BETA:TAU (e.g. 5:3:1)")
     sub.add_argument("--draft-stops", type=comma_list(stopped_chain), default=[],

@@ -109,6 +109,8 @@ def compiled(generator: SpeculativeGenerator, mode: str) -> SpeculativeGenerator
     generator.static = StaticLoop(generator.verifier, generator.settings, generator.eos,
                                   generator.pad, generator.unk)  # fmt: skip
     generator.static.compile_mode = mode
+    if not generator.on_static_loop:  # (int8 products, for one: a row would be mislabelled)
+        raise SystemExit("ceiling --compile-static: the static loop does not serve this drafter")
     return generator
 
 

@@ -4,14 +4,13 @@
 # the GPU benchmark (benchmark.py ceiling on newstest2014: fp32 at batch 1 and at 8, 32, 128, fp16
 # at batch 1; the static loop captured as CUDA graphs beside the dynamic loop, stock fairseq
 # greedy and beam 5, and the oracle), the static loop's iteration compiled by torch.compile and
-# still captured (compile: benchmark.py ceiling --compile-static at batch 1, fp32), the
-# model-size table (benchmark.py sizes), the verifier's
-# greedy translations of the training sources for the drafter's next training (distill) and,
-# given its data, the bundled drafter trained on, in one run of at most BUDGET_S seconds (560;
-# the device call's timeout is 600), writing gpu_check.log, gpu_check.json, tests.xml and
-# headline.json (benchmark.py --headline) into $OUT, with distill: distill-greedy.en.xz, with
-# training: train_drafter.log, drafter-best.pt and drafter-last.pt (compact fp16, as in a model
-# directory).
+# still captured (compile, when GPU_STEPS names it: benchmark.py ceiling --compile-static at
+# batch 1, fp32), the model-size table (benchmark.py sizes), the verifier's greedy translations
+# of the training sources for the drafter's next training (distill) and, given its data, the
+# bundled drafter trained on, in one run of at most BUDGET_S seconds (560; the device call's
+# timeout is 600), writing gpu_check.log, gpu_check.json, tests.xml and headline.json
+# (benchmark.py --headline) into $OUT, with distill: distill-greedy.en.xz, with training:
+# train_drafter.log, drafter-best.pt and drafter-last.pt (compact fp16, as in a model directory).
 #
 # 1. Here, once (pip and ../shared/data needed):
 #        scripts/gpu_check.sh --prepare [DRAFTER_DATA_BIN]
@@ -49,9 +48,9 @@
 # --draft-stop row) in the step's last FEATURE_BENCH_S (120) seconds, into
 # bench-feature-trained.json; give it TRAIN_S=430 or more: it trains only what is left after
 # 90 s of margin and the benchmark's time, and refuses under 60 s), BUDGET_S. GPU_STEPS lists
-# the steps in the order they run (default "tests syncs cost compile bench sizes distill feature
-# train";
-# feature needs the prepared feature drafter, train the prepared drafter data).
+# the steps in the order they run (default "tests syncs cost bench sizes distill feature train";
+# compile runs only when named, for its compilations' time; feature needs the prepared feature
+# drafter, train the prepared drafter data).
 # CTranslate2 has no CUDA row: the image has no ctranslate2, and its wheels link CUDA 12's cuBLAS
 # (libcublas.so.12), which the CUDA 13 image lacks and which (hundreds of MB) cannot travel.
 set -uo pipefail
@@ -313,7 +312,7 @@ nvidia-smi || echo "nvidia-smi: none here"
     "available", torch.cuda.is_available(), "fairseq", fairseq.__version__)' ||
     { echo "gpu_check: torch or fairseq does not import"; exit 1; }
 
-GPU_STEPS=${GPU_STEPS:-tests syncs cost compile bench sizes distill feature train}
+GPU_STEPS=${GPU_STEPS:-tests syncs cost bench sizes distill feature train}
 if [[ ! -f $FEATURE_CARRIED ]]; then
     [[ " $GPU_STEPS " == *" feature "* ]] &&
         echo "gpu_check: no feature step: $FEATURE_CARRIED is missing (FEATURE_DRAFTER=... --prepare)"
