@@ -33,6 +33,10 @@ several k, top-beta/tau and BLEU (what scripts/gpu_check.sh runs):
     python benchmarks/benchmark.py ceiling MODEL_DIR --src test.de --ref test.en --lines 256 \
         --batch-sizes 8,32,128 --device cuda --fp16 --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1
 
+(--compile-static default adds the drafter-less loop and the defaults on the static loop with
+its iteration compiled by torch.compile, compiled before the timed run: gpu_check.sh's compile
+step.)
+
 What scoring a block of W entries costs the verifier against scoring one (a greedy step of the
 same scorer), per batch size; if every draft were accepted, an iteration of k drafts would emit
 k + 1 tokens for the cost of W = k + 1:
