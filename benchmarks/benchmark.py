@@ -59,6 +59,12 @@ the real drafter at each k:
     python benchmarks/benchmark.py static-cost MODEL_DIR --src test.de --lines 32 --device cuda \
         --blocks 3,5,10 --json benchmarks/results/static-cost.json
 
+The products' kernels chosen as decoding runs them (each weight read from memory, the
+default) against chosen with each weight in cache (CPU):
+
+    python benchmarks/benchmark.py kernel-choice MODEL_DIR --src test.de --lines 100 --rounds 4 \
+        --threads 1 --json benchmarks/results/kernel-choice.json
+
 Where decoding makes the host wait for the GPU (CUDA's sync debug mode), per verifier call and
 output token, with the lines that do it:
 
@@ -85,6 +91,7 @@ from ceiling import block_cost, ceiling
 from common import beam_shape, comma_list, setting, stopped_chain
 from diagnosis import acceptance
 from host_syncs import host_syncs
+from kernel_choice import kernel_choice
 from model_sizes import ARCHITECTURES, model_sizes
 from sampling_speed import sampling, sampling_system
 from speed_quality import run, sweep
@@ -227,6 +234,13 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
     reference_rule(sub, "the oracle")
     sub.add_argument("--blocks", type=comma_list(int), default=[3, 5, 10],
                      help="the real drafter's k, each a system")
+    sub = mode("kernel-choice", kernel_choice, "decoding with the products' kernels timed as "
+               "decoding reads the weights against timed in cache")
+    sub.add_argument("--blocks", type=comma_list(int), default=[0, 3],
+                     help="k of each system (0: no drafts)")
+    sub.add_argument("--rounds", type=int, default=4, help="timed rounds (the median counts)")
+    sub.add_argument("--batch-sizes", type=comma_list(int), default=[1],
+                     help="batch sizes to measure")
     sub = mode("sizes", model_sizes, "speed by verifier size, accepted drafts and batch size")
     sub.add_argument("--sizes", type=comma_list(str), default=["bundled", *ARCHITECTURES],
                      help=f"verifiers: bundled, and random ones of {', '.join(ARCHITECTURES)}")

@@ -152,6 +152,24 @@ def test_a_choice_recorded_from_other_timed_row_counts_is_timed_again(monkeypatc
     assert linears._packed_from(8, 4, torch.float32) == 2 and timed == [(8, 4)]
 
 
+def test_a_choice_timed_in_cache_is_timed_again(monkeypatch, tmp_path):
+    """Records timed on one copy of the weight, in cache (MKL won shapes there that ran slower
+    in decoding), are not read: the shape is timed again, its weight read from memory."""
+    monkeypatch.setattr(linears, "CHOICES_FILE", tmp_path / "kernels.json")
+    in_cache = linears._machine().removesuffix(" | streamed")
+    (tmp_path / "kernels.json").write_text(json.dumps({in_cache: {"8x4": 2}}))
+    monkeypatch.setattr(linears, "_timed_packed_from", lambda outputs, inputs, dtype: 1)
+    assert linears._packed_from(8, 4, torch.float32) == 1
+
+
+def test_the_last_level_cache_is_the_largest_linux_reports(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert linears._last_level_cache_bytes(tmp_path) == 32 << 20
+    assert linears._last_level_cache_bytes(tmp_path / "none") == linears.LAST_LEVEL_CACHE_BYTES
+
+
 @needs_onednn
 def test_timing_the_kernels_leaves_the_random_state_alone():
     state = torch.get_rng_state()

@@ -4,8 +4,10 @@ A block of a few entries per row is the worst shape for the CPU's default fp32 p
 ``addmm``) on AMD, where a weight packed once for oneDNN is several times faster. On Intel MKL
 is the faster one for a single row, and oneDNN from a few rows on (docs/lab-notes.md,
 "Prepacked fp32 products" and "The decoder and encoder layers as one TorchScript function").
-So each weight shape is timed both ways the first time a machine packs it, and runs packed
-from the row count where that was faster. The choice is recorded (CHOICES_FILE) and kept, so
+So each weight shape is timed both ways the first time a machine packs it, with the weight
+read from memory as decoding reads it (timed in cache, MKL won one-row shapes on the AMD EPYC
+whose choice made decoding without drafts 1-6 % slower: docs/lab-notes.md, "Product kernels
+timed as decoding reads them"), and runs packed from the row count where that was faster. The choice is recorded (CHOICES_FILE) and kept, so
 that every run on a machine rounds alike. The products keep their precision: only their
 summation order changes, as it already does between one entry and a block. A bf16 drafter's
 weights (--drafter-precision) are packed and timed the same way, in bf16.
@@ -39,6 +41,10 @@ PACKING_ROWS = 64
 # 3 are blocks of k = 1 and 2: timed from 4 only, they ran MKL's product on the AMD EPYC, 1.4-1.9
 # times slower there than the packed one (a k = 2 iteration cost more than a k = 3 one)
 TIMED_ROWS = (1, 2, 3, 4, 16, 64)
+# the weight copies a shape is timed on are at most this many (a small weight's stay in cache),
+# and fill twice the last-level cache, taken as this where Linux does not say
+MAX_TIMED_COPIES = 256
+LAST_LEVEL_CACHE_BYTES = 32 << 20
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 NEVER = 1 << 62  # the packed-from row count of a shape whose packed product never won
 # where each machine's choices are kept (per CPU model, torch version and thread count)
@@ -194,7 +200,7 @@ def _packed_from(outputs: int, inputs: int, dtype: torch.dtype) -> int:
 
 def _machine() -> str:
     """What the choice depends on: the CPU model, torch's version and its thread count (and
-    the row counts timed: a record timed at others is timed again)."""
+    how it was timed: a record timed at other row counts, or in cache, is timed again)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
@@ -204,7 +210,9 @@ def _machine() -> str:
     except OSError:
         pass
     rows = ",".join(map(str, TIMED_ROWS))
-    return f"{model} | torch {torch.__version__} | {torch.get_num_threads()} threads | rows {rows}"
+    # "streamed": timed with the weights read from memory (records timed in cache are not read)
+    return (f"{model} | torch {torch.__version__} | {torch.get_num_threads()} threads | rows "
+            f"{rows} | streamed")
 
 
 def _recorded_choices() -> Dict[str, Dict[str, int]]:
@@ -215,19 +223,45 @@ def _recorded_choices() -> Dict[str, Dict[str, int]]:
 
 
 def _timed_packed_from(outputs: int, inputs: int, dtype: torch.dtype) -> int:
-    """Time both products of this shape (on constant values: they do not change the time, and
-    the global random state stays as it was)."""
-    weight = torch.full((outputs, inputs), 0.5, dtype=dtype)
+    """Time both products of this shape as decoding runs them: each reads its weight from
+    memory, since a model's weights, read one after another, outgrow the CPU's caches. So each
+    kernel runs on copies of the weight in turn, as many as fill twice the last-level cache (a
+    small weight's few hundred copies stay in cache, as a small model does). On constant values:
+    they do not change the time, and the global random state stays as it was."""
+    weight_bytes = outputs * inputs * torch.empty((), dtype=dtype).element_size()
+    copies = min(max(2, 2 * _last_level_cache_bytes() // weight_bytes), MAX_TIMED_COPIES)
+    weights = [torch.full((outputs, inputs), 0.5, dtype=dtype) for _ in range(copies)]
     bias = torch.full((outputs,), 0.5, dtype=dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACKING_ROWS) for w in weights]
     faster = []
     for rows in TIMED_ROWS:
         x = torch.full((rows, inputs), 0.5, dtype=dtype)
-        own = _seconds(lambda: torch.nn.functional.linear(x, weight, bias))
-        onednn = _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
-                                                                     [], ""))  # fmt: skip
-        faster.append(onednn < own)
+
+        def own():
+            for w in weights:
+                torch.nn.functional.linear(x, w, bias)
+
+        def onednn():
+            for w in packed:
+                torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+        faster.append(_seconds(onednn) < _seconds(own))
     return first_of_last_run(TIMED_ROWS, faster)
+
+
+def _last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The size of the CPU's largest cache as Linux reports it, else LAST_LEVEL_CACHE_BYTES."""
+    sizes = []
+    for index in caches.glob("index*/size"):
+        try:
+            text = index.read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=LAST_LEVEL_CACHE_BYTES)
 
 
 def first_of_last_run(rows: Sequence[int], packed_faster: Sequence[bool]) -> int:
@@ -241,10 +275,10 @@ def first_of_last_run(rows: Sequence[int], packed_faster: Sequence[bool]) -> int
     return packed_from
 
 
-def _seconds(product, repeats: int = 7) -> float:
-    """The fastest of ``repeats`` calls of a product, after two to warm up: the call least
+def _seconds(product, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` calls of a product, after one to warm up: the call least
     disturbed by other work on the machine, since the choice is kept."""
-    product(), product()
+    product()
     fastest = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
