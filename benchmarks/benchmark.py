@@ -63,7 +63,7 @@ The products' kernels chosen as decoding runs them (each weight read from memory
 default) against chosen with each weight in cache (CPU):
 
     python benchmarks/benchmark.py kernel-choice MODEL_DIR --src test.de --lines 100 --rounds 4 \
-        --threads 1 --json benchmarks/results/kernel-choice.json
+        --batch-sizes 1,8 --threads 1 --json benchmarks/results/kernel-choice.json
 
 Where decoding makes the host wait for the GPU (CUDA's sync debug mode), per verifier call and
 output token, with the lines that do it:

@@ -6,7 +6,6 @@ batch size, the systems' order rotating per batch, in one process."""
 import contextlib
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -18,28 +17,18 @@ from spec_nmt.decoding import linears
 
 def in_cache_packed_from(outputs: int, inputs: int, dtype: torch.dtype) -> int:
     """The earlier timing: both products on one copy of the weight, which stays in cache (the
-    fastest of 7 calls each)."""
+    fastest of 7 calls each, after one to warm up where it made two)."""
     weight = torch.full((outputs, inputs), 0.5, dtype=dtype)
     bias = torch.full((outputs,), 0.5, dtype=dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, linears.PACKING_ROWS)
     faster = []
     for rows in linears.TIMED_ROWS:
         x = torch.full((rows, inputs), 0.5, dtype=dtype)
-        own = _fastest(lambda: torch.nn.functional.linear(x, weight, bias))
-        onednn = _fastest(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
-                                                                     [], ""))  # fmt: skip
+        own = linears._seconds(lambda: torch.nn.functional.linear(x, weight, bias), 7)
+        onednn = linears._seconds(lambda: torch.ops.mkldnn._linear_pointwise(
+            x, packed, bias, "none", [], ""), 7)  # fmt: skip
         faster.append(onednn < own)
     return linears.first_of_last_run(linears.TIMED_ROWS, faster)
-
-
-def _fastest(product, calls: int = 7) -> float:
-    product()
-    fastest = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        product()
-        fastest = min(fastest, time.perf_counter() - start)
-    return fastest
 
 
 # how each system's kernels are chosen: None, as linears.py does
@@ -49,7 +38,7 @@ TIMINGS = {"streamed (default)": None, "in cache": in_cache_packed_from}
 def kernel_choice(args):
     """Per kernel choice and k: ms per token (the median of --rounds rounds), its time against
     the default choice's, and the lines equal to its output; with each choice's packed-from row
-    counts of the verifier's shapes."""
+    counts of the verifier's and the drafter's shapes."""
     src = read_lines(args.src, args.lines)
     systems, chosen = {}, {}
     for name, timing in TIMINGS.items():
@@ -63,9 +52,11 @@ def kernel_choice(args):
             for block in args.blocks:  # (the verifier's, at its first generator)
                 systems[f"{name}, k={block}"] = pair.generator(block_size=block,
                                                                max_draft_batch=0)  # fmt: skip
-            project = pair.generator(block_size=0).verifier.project
-            chosen[name] = {f"{o}x{i} {str(d).removeprefix('torch.')}": packed_from
-                            for (o, i, d), packed_from in project.packed_from.items()}  # fmt: skip
+            projects = {"verifier": systems[f"{name}, k={args.blocks[0]}"].verifier.project,
+                        "drafter": getattr(getattr(pair.drafter, "scorer", None), "project",
+                                           None)}  # fmt: skip
+            chosen[name] = {role: _packed_from_rows(project)
+                            for role, project in projects.items() if project is not None}
     tokens = pair.encode(src)
     rows = []
     for batch_size in args.batch_sizes:
@@ -76,11 +67,18 @@ def kernel_choice(args):
     print(table([("batch_size", "batch"), ("choice", "kernel choice"), ("block", "k"),
                  ("ms_per_output_token", "ms / token"), ("time_vs_default", "time × default"),
                  ("identical_to_default", f"= default (of {len(src)})")], rows))  # fmt: skip
-    for name, shapes in chosen.items():
-        print(f"{name}, packed from rows: " + ", ".join(
-            f"{shape} {'never' if rows_ >= linears.NEVER else rows_}"
-            for shape, rows_ in shapes.items()))  # fmt: skip
+    for name, roles in chosen.items():
+        for role, shapes in roles.items():
+            print(f"{name}, the {role}'s products packed from rows: "
+                  + ", ".join(f"{shape} {rows}" for shape, rows in shapes.items()))
     write_result(args, result)
+
+
+def _packed_from_rows(project: linears.PackedLinears) -> dict:
+    """Per weight shape of a PackedLinears, the fewest rows it runs packed from ("never")."""
+    return {f"{o}x{i} {str(d).removeprefix('torch.')}": (
+        "never" if packed_from >= linears.NEVER else packed_from)
+        for (o, i, d), packed_from in project.packed_from.items()}  # fmt: skip
 
 
 def _timed_rows(args, pair, systems, tokens, batch_size):
@@ -101,10 +99,9 @@ def _timed_rows(args, pair, systems, tokens, batch_size):
         for name in TIMINGS:
             system = f"{name}, k={block}"
             median = statistics.median(seconds[system])
+            ratio = median / statistics.median(seconds[reference])
             equal = sum(torch.equal(a, b) for a, b in zip(outputs[system], outputs[reference]))
             rows.append({"batch_size": batch_size, "choice": name, "block": block,
                          "ms_per_output_token": round(1000 * median / output_tokens, 3),
-                         "time_vs_default": round(median / statistics.median(seconds[reference]),
-                                                  3),
-                         "identical_to_default": equal})  # fmt: skip
+                         "time_vs_default": round(ratio, 3), "identical_to_default": equal})
     return rows

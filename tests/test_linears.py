@@ -156,10 +156,12 @@ def test_a_choice_timed_in_cache_is_timed_again(monkeypatch, tmp_path):
     """Records timed on one copy of the weight, in cache (MKL won shapes there that ran slower
     in decoding), are not read: the shape is timed again, its weight read from memory."""
     monkeypatch.setattr(linears, "CHOICES_FILE", tmp_path / "kernels.json")
-    in_cache = linears._machine().removesuffix(" | streamed")
+    in_cache = linears._machine().removesuffix(" | streamed")  # (the key as it was)
     (tmp_path / "kernels.json").write_text(json.dumps({in_cache: {"8x4": 2}}))
     monkeypatch.setattr(linears, "_timed_packed_from", lambda outputs, inputs, dtype: 1)
     assert linears._packed_from(8, 4, torch.float32) == 1
+    recorded = json.loads((tmp_path / "kernels.json").read_text())
+    assert recorded == {in_cache: {"8x4": 2}, linears._machine(): {"8x4": 1}}
 
 
 def test_the_last_level_cache_is_the_largest_linux_reports(tmp_path):
@@ -167,6 +169,11 @@ def test_the_last_level_cache_is_the_largest_linux_reports(tmp_path):
         (tmp_path / index).mkdir()
         (tmp_path / index / "size").write_text(size + "\n")
     assert linears._last_level_cache_bytes(tmp_path) == 32 << 20
+    (tmp_path / "index4").mkdir()
+    (tmp_path / "index4" / "size").write_text("64M\n")
+    (tmp_path / "index5").mkdir()
+    (tmp_path / "index5" / "size").write_text("unknown\n")  # (not a size: not read)
+    assert linears._last_level_cache_bytes(tmp_path) == 64 << 20
     assert linears._last_level_cache_bytes(tmp_path / "none") == linears.LAST_LEVEL_CACHE_BYTES
 
 

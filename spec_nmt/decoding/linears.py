@@ -6,9 +6,10 @@ is the faster one for a single row, and oneDNN from a few rows on (docs/lab-note
 "Prepacked fp32 products" and "The decoder and encoder layers as one TorchScript function").
 So each weight shape is timed both ways the first time a machine packs it, with the weight
 read from memory as decoding reads it (timed in cache, MKL won one-row shapes on the AMD EPYC
-whose choice made decoding without drafts 1-6 % slower: docs/lab-notes.md, "Product kernels
-timed as decoding reads them"), and runs packed from the row count where that was faster. The choice is recorded (CHOICES_FILE) and kept, so
-that every run on a machine rounds alike. The products keep their precision: only their
+whose choice made decoding without drafts at batch 1 1-6 % slower: docs/lab-notes.md,
+"Product kernels timed as decoding reads them"), and runs packed from the row count where that
+was faster. The choice is recorded (CHOICES_FILE) and kept, so that every run on a machine
+rounds alike. The products keep their precision: only their
 summation order changes, as it already does between one entry and a block. A bf16 drafter's
 weights (--drafter-precision) are packed and timed the same way, in bf16.
 
@@ -41,8 +42,9 @@ PACKING_ROWS = 64
 # 3 are blocks of k = 1 and 2: timed from 4 only, they ran MKL's product on the AMD EPYC, 1.4-1.9
 # times slower there than the packed one (a k = 2 iteration cost more than a k = 3 one)
 TIMED_ROWS = (1, 2, 3, 4, 16, 64)
-# the weight copies a shape is timed on are at most this many (a small weight's stay in cache),
-# and fill twice the last-level cache, taken as this where Linux does not say
+# the weight copies a shape is timed on fill twice the last-level cache (taken as
+# LAST_LEVEL_CACHE_BYTES where Linux does not say), but are at most MAX_TIMED_COPIES: the tests'
+# toy shapes would take thousands (theirs then stay in cache, as a model that small does)
 MAX_TIMED_COPIES = 256
 LAST_LEVEL_CACHE_BYTES = 32 << 20
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -225,11 +227,11 @@ def _recorded_choices() -> Dict[str, Dict[str, int]]:
 def _timed_packed_from(outputs: int, inputs: int, dtype: torch.dtype) -> int:
     """Time both products of this shape as decoding runs them: each reads its weight from
     memory, since a model's weights, read one after another, outgrow the CPU's caches. So each
-    kernel runs on copies of the weight in turn, as many as fill twice the last-level cache (a
-    small weight's few hundred copies stay in cache, as a small model does). On constant values:
-    they do not change the time, and the global random state stays as it was."""
-    weight_bytes = outputs * inputs * torch.empty((), dtype=dtype).element_size()
-    copies = min(max(2, 2 * _last_level_cache_bytes() // weight_bytes), MAX_TIMED_COPIES)
+    kernel runs on copies of the weight in turn, as many as fill twice the last-level cache. On
+    constant values: they do not change the time, and the global random state stays as it
+    was."""
+    weight_bytes = outputs * inputs * dtype.itemsize
+    copies = min(-(-2 * _last_level_cache_bytes() // weight_bytes), MAX_TIMED_COPIES)
     weights = [torch.full((outputs, inputs), 0.5, dtype=dtype) for _ in range(copies)]
     bias = torch.full((outputs,), 0.5, dtype=dtype)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACKING_ROWS) for w in weights]
