@@ -38,7 +38,6 @@ from spec_nmt.decoding import scripted_layers
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer
-from spec_nmt.decoding.static_loop import StaticLoop
 
 
 def ceiling_systems(args, pair, tokens, alone, greedy):
@@ -106,9 +105,7 @@ def through_modules(generator: SpeculativeGenerator) -> SpeculativeGenerator:
 def compiled(generator: SpeculativeGenerator, mode: str) -> SpeculativeGenerator:
     """The generator on a static loop of its own whose iteration torch.compile compiles in
     ``mode`` (the task shares one loop between generators of equal settings)."""
-    generator.static = StaticLoop(generator.verifier, generator.settings, generator.eos,
-                                  generator.pad, generator.unk)  # fmt: skip
-    generator.static.compile_mode = mode
+    generator.own_static_loop().compile_mode = mode
     if not generator.on_static_loop:  # (int8 products, for one: a row would be mislabelled)
         raise SystemExit("ceiling --compile-static: the static loop does not serve this drafter")
     return generator

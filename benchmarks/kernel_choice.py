@@ -17,18 +17,8 @@ from spec_nmt.decoding import linears
 
 def in_cache_packed_from(outputs: int, inputs: int, dtype: torch.dtype) -> int:
     """The earlier timing: both products on one copy of the weight, which stays in cache (the
-    fastest of 7 calls each, after one to warm up where it made two)."""
-    weight = torch.full((outputs, inputs), 0.5, dtype=dtype)
-    bias = torch.full((outputs,), 0.5, dtype=dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, linears.PACKING_ROWS)
-    faster = []
-    for rows in linears.TIMED_ROWS:
-        x = torch.full((rows, inputs), 0.5, dtype=dtype)
-        own = linears._seconds(lambda: torch.nn.functional.linear(x, weight, bias), 7)
-        onednn = linears._seconds(lambda: torch.ops.mkldnn._linear_pointwise(
-            x, packed, bias, "none", [], ""), 7)  # fmt: skip
-        faster.append(onednn < own)
-    return linears.first_of_last_run(linears.TIMED_ROWS, faster)
+    fastest of 3 calls each after one to warm up, where it took the fastest of 7 after two)."""
+    return linears.timed_on_copies(outputs, inputs, dtype, 1)
 
 
 # how each system's kernels are chosen: None, as linears.py does

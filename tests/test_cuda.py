@@ -272,15 +272,9 @@ def static_systems(pair, block_size):
     settings = dict(block_size=block_size, max_len_a=0, max_len_b=MAX_LEN_B, **STATIC)
     captured = benchmarks.speculating(pair, **settings)
     eager = benchmarks.speculating(pair, **settings)
-    eager.static = own_static_loop(eager)  # (the task shares one between equal settings)
-    eager.static.capture_graphs = False
+    # a loop of its own: the task shares one between generators of equal settings
+    eager.own_static_loop().capture_graphs = False
     return {"captured": captured, "eager": eager}
-
-
-def own_static_loop(generator):
-    """A static loop of the generator's own, with nothing captured yet."""
-    return type(generator.static)(generator.verifier, generator.settings, generator.eos,
-                                  generator.pad, generator.unk)  # fmt: skip
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
@@ -319,7 +313,7 @@ def test_a_replay_after_other_lengths_and_batches_gives_what_a_fresh_capture_giv
             _, sample = next(pair.batches([source_tokens[line]], 1))
             again = used.generate([pair.verifier], sample)[0][0]
             fresh_generator = benchmarks.speculating(pair, block_size=3, **STATIC)
-            fresh_generator.static = own_static_loop(fresh_generator)
+            fresh_generator.own_static_loop()
             fresh = fresh_generator.generate([pair.verifier], sample)[0][0]
             assert torch.equal(again["tokens"], fresh["tokens"])
             assert torch.equal(again["positional_scores"], fresh["positional_scores"])
@@ -335,8 +329,7 @@ def test_iterations_compiled_by_torch_compile_equal_fairseq_greedy(pair, source_
         pytest.skip("fp32 only: fp16 may part from fairseq greedy at near ties (see above)")
     compiled = benchmarks.speculating(pair, block_size=3, max_len_a=0, max_len_b=MAX_LEN_B,
                                       **STATIC)  # fmt: skip
-    compiled.static = own_static_loop(compiled)
-    compiled.static.compile_mode = "default"
+    compiled.own_static_loop().compile_mode = "default"
     greedy = SequenceGenerator([pair.verifier], pair.tgt_dict, beam_size=1, max_len_a=0,
                                max_len_b=MAX_LEN_B)  # fmt: skip
     graphs = counters["stats"]["unique_graphs"]

@@ -79,9 +79,7 @@ def test_the_shapes_of_captured_graphs_give_fairseq_greedy(pair, sources, greedy
     under its mask without asking the device whether there is any."""
     generator = pair.generator(block_size=3, max_draft_batch=0)
     # a loop of its own: the translator's generators of equal settings share theirs
-    generator.static = StaticLoop(generator.verifier, generator.settings, generator.eos,
-                                  generator.pad, generator.unk)  # fmt: skip
-    generator.static.graph_shapes = True
+    generator.own_static_loop().graph_shapes = True
     found = decode(pair, generator, sources, batch_size)
     for line, (ours, theirs) in enumerate(zip(found, greedy)):
         if line != EMPTY:
@@ -98,9 +96,7 @@ def test_the_iteration_compiled_by_torch_compile_gives_fairseq_greedy(pair, sour
     first compiles at its sizes, the second at symbolic ones (torch's automatic dynamic
     shapes)."""
     generator = pair.generator(block_size=3, max_draft_batch=0)
-    generator.static = StaticLoop(generator.verifier, generator.settings, generator.eos,
-                                  generator.pad, generator.unk)  # fmt: skip
-    generator.static.compile_mode = "default"
+    generator.own_static_loop().compile_mode = "default"
     graphs = counters["stats"]["unique_graphs"]
     lines = 2 * 5  # two batches, the empty line in the second
     found = decode(pair, generator, sources[:lines], 5)

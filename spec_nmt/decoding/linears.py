@@ -9,9 +9,9 @@ read from memory as decoding reads it (timed in cache, MKL won one-row shapes on
 whose choice made decoding without drafts at batch 1 1-6 % slower: docs/lab-notes.md,
 "Product kernels timed as decoding reads them"), and runs packed from the row count where that
 was faster. The choice is recorded (CHOICES_FILE) and kept, so that every run on a machine
-rounds alike. The products keep their precision: only their
-summation order changes, as it already does between one entry and a block. A bf16 drafter's
-weights (--drafter-precision) are packed and timed the same way, in bf16.
+rounds alike. The products keep their precision: only their summation order changes, as it
+already does between one entry and a block. A bf16 drafter's weights (--drafter-precision) are
+packed and timed the same way, in bf16.
 
 ``PackedLinears(module)`` packs every fp32 or bf16 ``nn.Linear`` of a module (when this torch has
 oneDNN and the weights are on the CPU) and is then called as ``project(linear, x)`` wherever a
@@ -227,11 +227,17 @@ def _recorded_choices() -> Dict[str, Dict[str, int]]:
 def _timed_packed_from(outputs: int, inputs: int, dtype: torch.dtype) -> int:
     """Time both products of this shape as decoding runs them: each reads its weight from
     memory, since a model's weights, read one after another, outgrow the CPU's caches. So each
-    kernel runs on copies of the weight in turn, as many as fill twice the last-level cache. On
-    constant values: they do not change the time, and the global random state stays as it
-    was."""
+    kernel runs on copies of the weight in turn, as many as fill twice the last-level cache."""
     weight_bytes = outputs * inputs * dtype.itemsize
     copies = min(-(-2 * _last_level_cache_bytes() // weight_bytes), MAX_TIMED_COPIES)
+    return timed_on_copies(outputs, inputs, dtype, copies)
+
+
+def timed_on_copies(outputs: int, inputs: int, dtype: torch.dtype, copies: int) -> int:
+    """The fewest rows from which the packed product of this shape was the faster, each kernel
+    timed over ``copies`` copies of the weight read in turn (one: the weight stays in cache).
+    On constant values: they do not change the time, and the global random state stays as it
+    was."""
     weights = [torch.full((outputs, inputs), 0.5, dtype=dtype) for _ in range(copies)]
     bias = torch.full((outputs,), 0.5, dtype=dtype)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACKING_ROWS) for w in weights]

@@ -100,7 +100,14 @@ class SpeculativeGenerator:
         self.static = static
         if static is None and StaticLoop.may_serve(
                 settings, next(verifier.model.parameters()).device):
-            self.static = StaticLoop(verifier, settings, self.eos, self.pad, self.unk)
+            self.own_static_loop()
+
+    def own_static_loop(self) -> StaticLoop:
+        """A static loop of this generator's own, with nothing captured yet, in place of any it
+        was given (the task shares one between generators of equal settings); returned, to
+        be set up."""
+        self.static = StaticLoop(self.verifier, self.settings, self.eos, self.pad, self.unk)
+        return self.static
 
     @property
     def on_static_loop(self) -> bool:
