@@ -17,6 +17,8 @@ SPLIT ?= 1
 SETTINGS = $(if $(BLOCK_SIZE),--block-size $(BLOCK_SIZE)) $(if $(BETA),--beta $(BETA)) $(if $(TAU),--tau $(TAU)) \
   $(if $(MAX_DRAFT_BATCH),--max-draft-batch $(MAX_DRAFT_BATCH)) \
   $(if $(VERIFY),--verify $(VERIFY)) $(if $(SEED),--seed $(SEED))
+# DRAFTER: what drafts (twin, file, none; default auto: spec-nmt-translate --drafter)
+DRAFTER_FLAG = $(if $(DRAFTER),--drafter $(DRAFTER))
 # THREADS: torch's CPU threads (spec-nmt-translate --threads; default and why: spec_nmt/runtime.py)
 THREADS_OF = from spec_nmt.runtime import DEFAULT_THREADS; print(DEFAULT_THREADS)
 # fairseq-interactive gets the same output length limit as the API (fairseq's own is 0/200)
@@ -55,11 +57,11 @@ ifneq ($(filter-out 0 no false,$(FAIRSEQ_OUTPUT)),)
 	OMP_NUM_THREADS=$(or $(THREADS),$$($(PY) -c "$(THREADS_OF)")) \
 	PYTHONWARNINGS=ignore $(VENV)/bin/fairseq-interactive $(MODEL_DIR) --user-dir spec_nmt --task spec_translation \
 	  --source-lang de --target-lang en --path $(MODEL_DIR)/verifier.pt \
-	  --drafter-path $(MODEL_DIR)/drafter.pt $(SETTINGS) $$($(PY) -c "$(LENGTH_FLAGS)") \
+	  --drafter-path $(MODEL_DIR)/drafter.pt $(DRAFTER_FLAG) $(SETTINGS) $$($(PY) -c "$(LENGTH_FLAGS)") \
 	  --bpe sentencepiece --sentencepiece-model $(MODEL_DIR)/spm.model --cpu
 else
 	@PYTHONWARNINGS=ignore $(VENV)/bin/spec-nmt-translate '$(MODEL_DIR)' --cpu \
-	  $(SETTINGS) $(if $(BATCH_SIZE),--batch-size $(BATCH_SIZE)) \
+	  $(SETTINGS) $(DRAFTER_FLAG) $(if $(BATCH_SIZE),--batch-size $(BATCH_SIZE)) \
 	  $(if $(THREADS),--threads $(THREADS)) \
 	  $(if $(filter 0 no false,$(SPLIT)),--no-split-sentences) \
 	  $(if $(filter-out 0 no false,$(STATS)),--stats) \

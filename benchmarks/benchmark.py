@@ -182,7 +182,8 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                      help="temperatures")
     sub.add_argument("--systems", type=comma_list(sampling_system),
                      default=[sampling_system(x) for x in ("chain:6", "rsd-c:2-1-1", "rsd-s:2x3")],
-                     help="chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH")
+                     help="chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH, twin (the twin's "
+                     "continuations)")
     sub.add_argument("--ctranslate2", action="store_true",
                      help="add CTranslate2 int8 sampling of the same verifier")
     sub = mode("ceiling", ceiling, "the loop's ceiling, the iteration's cost and CTranslate2")

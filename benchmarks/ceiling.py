@@ -31,6 +31,7 @@ from common import (
     read_lines,
     speculating,
     table,
+    twin_engine,
     write_result,
 )
 
@@ -47,6 +48,12 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
                "spec lossless, oracle drafter": oracle(pair, tokens, alone, args.block),
                "spec lossless, real drafter": speculating(pair, block_size=args.block),
                "spec-nmt defaults": defaults(pair)}
+    if getattr(pair.drafter, "twin", None) is not None:
+        systems["spec lossless, oracle of whole continuations"] = oracle(
+            pair, tokens, alone, args.block, whole=True)
+        systems["spec lossless, twin drafter"] = speculating(pair, "twin")
+        other = "worker" if type(pair.drafter.twin.engine).__name__ == "InProcess" else "process"
+        systems[f"spec lossless, twin drafter, {other} engine"] = twin_engine(pair, other)
     # the loop the defaults do not take here, beside them: on a GPU what removing the host
     # earns, on the CPU what it costs
     other = other_loop(pair)

@@ -24,6 +24,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from spec_nmt.decoding.drafter import NoDrafter
 from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.tree import chain
+from spec_nmt.drafters.twin_drafter import load_twin
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DEFAULTS
 from spec_nmt.translator import SpecTranslator
@@ -45,10 +46,30 @@ def fairseq_sampler(pair: SpecTranslator, temperature: float) -> SequenceGenerat
     )
 
 
-def speculating(pair: SpecTranslator, **settings) -> SpeculativeGenerator:
+def speculating(pair: SpecTranslator, drafter: str = "file", **settings) -> SpeculativeGenerator:
     """A generator that drafts in a batch of any size: what the benchmark measures (by default
-    the lossless and sampling rules draft for one sentence only, see ``defaults``)."""
-    return pair.generator(max_draft_batch=0, **settings)
+    the lossless and sampling rules draft for one sentence only, see ``defaults``), with the
+    pair's drafter file (``drafter`` "file": the real drafter of every mode) or the verifier's
+    twin ("twin"), whichever --drafter auto would pick for the rule."""
+    generator = pair.generator(max_draft_batch=0, **settings)
+    twin = getattr(pair.drafter, "twin", None)
+    if drafter == "file" and twin is not None and generator.drafter is twin:  # (auto's pick)
+        generator.drafter = pair.drafter
+    elif drafter == "twin" and generator.plan.depth:
+        if twin is None:
+            raise SystemExit("no twin drafter here (ctranslate2 missing, or a GPU)")
+        generator.drafter = twin
+    return generator
+
+
+def twin_engine(pair: SpecTranslator, engine: str) -> SpeculativeGenerator:
+    """``speculating`` with a twin of the pair's verifier run by ``engine`` (twin_drafter.ENGINES:
+    "process", "worker")."""
+    generator = speculating(pair, "twin")
+    twin = generator.drafter
+    generator.drafter = load_twin(pair.verifier, pair.src_dict, pair.tgt_dict,
+                                  twin.max_positions(), twin.directory.parent, engine)
+    return generator
 
 
 def other_loop(pair: SpecTranslator) -> str:
@@ -170,11 +191,11 @@ def cpu_model() -> str:
 
 def drafted_in(drafter) -> str:
     """What the drafter drafts in (loading.drafter_precision decided it), and in what the
-    relaxed rule's rows drafted where that differs (its fp32 twin, loading.load_drafter)."""
-    twin = getattr(drafter, "fp32_twin", None)
-    if twin is None:
+    relaxed rule's rows drafted where that differs (its fp32 copy, loading.load_drafter)."""
+    copy = getattr(drafter, "fp32_copy", None)
+    if copy is None:
         return drafter.precision
-    return f"{drafter.precision} (relaxed top-beta/tau: {twin.precision})"
+    return f"{drafter.precision} (relaxed top-beta/tau: {copy.precision})"
 
 
 def environment(args, pair: SpecTranslator):
@@ -332,12 +353,15 @@ def greedy_alone(pair, tokens):
     return decode_all(pair, {"greedy": fairseq_generator(pair, 1)}, tokens, 1)["greedy"]["tokens"]
 
 
-def oracle(pair, tokens, alone, block: int, **settings) -> SpeculativeGenerator:
-    """Lossless decoding with the OracleDrafter of these sentences' greedy translations."""
+def oracle(pair, tokens, alone, block: int, whole: bool = False,
+           **settings) -> SpeculativeGenerator:  # fmt: skip
+    """Lossless decoding with the OracleDrafter of these sentences' greedy translations: k
+    drafts per iteration, or (``whole``) the rest of the sentence, as the twin drafts."""
     generator = speculating(pair, block_size=block, **settings)
     continuations = {tuple(t.tolist()): out for t, out in zip(tokens, alone)}
     generator.drafter = OracleDrafter(continuations, pair.tgt_dict,
                                       pair.verifier.decoder.max_positions())  # fmt: skip
+    generator.drafter.drafts_continuations = whole
     return generator
 
 

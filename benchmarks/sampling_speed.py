@@ -67,8 +67,10 @@ def torch_rows(args, pair, tokens, refs, temperature, rows):
     systems = {"fairseq sampling": fairseq_sampler(pair, temperature),
                "spec-nmt sampling (no drafts)": speculating(
                    pair, temperature=temperature, verify="sampling", block_size=0)}  # fmt: skip
-    systems.update({name: speculating(pair, temperature=temperature, **settings)
-                    for name, settings in speculative.items()})  # fmt: skip
+    for name, settings in speculative.items():
+        settings = dict(settings)
+        systems[name] = speculating(pair, settings.pop("drafter", "file"),
+                                    temperature=temperature, **settings)  # fmt: skip
     torch.manual_seed(1)
     batched, single, latency_lines = timed_runs(pair, systems, tokens, args)
     for name, generator in systems.items():
@@ -125,8 +127,11 @@ def sampling_table(result):
 
 
 def sampling_system(text):
-    """chain:K, rsd-c:B1-B2-... or rsd-s:WIDTHxDEPTH → (name, decoding settings)."""
+    """chain:K, rsd-c:B1-B2-..., rsd-s:WIDTHxDEPTH or twin (speculative sampling of the
+    twin's whole continuations) → (name, decoding settings, with the drafter to use)."""
     kind, _, shape = text.partition(":")
+    if kind == "twin":
+        return "spec sampling, twin drafter", {"verify": "sampling", "drafter": "twin"}
     if kind == "chain":
         return f"spec sampling k={shape}", {"verify": "sampling", "block_size": int(shape)}
     if kind == "rsd-c":
@@ -134,7 +139,8 @@ def sampling_system(text):
     if kind == "rsd-s":
         width, depth = beam_shape(shape)
         return f"RSD-S {shape}", {"verify": "rsd", "tree_budget": width * depth, "block_size": depth}
-    raise argparse.ArgumentTypeError(f"unknown system {text!r} (chain:K, rsd-c:B-B-..., rsd-s:WxD)")
+    raise argparse.ArgumentTypeError(
+        f"unknown system {text!r} (chain:K, rsd-c:B-B-..., rsd-s:WxD, twin)")
 
 
 def tree_nodes(plan: DraftPlan) -> int:

@@ -39,7 +39,10 @@ from spec_nmt.decoding.loop import DecodingStats
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import (
+    DEFAULT_DRAFTER,
     DEFAULT_DRAFTER_PRECISION,
+    DRAFTER_CHOICES,
+    DRAFTER_HELP,
     DRAFTER_PRECISION_HELP,
     DRAFTER_PRECISION_NAMES,
 )
@@ -92,6 +95,10 @@ def parse_args(argv=None):
         help="drafter checkpoint instead of the model directory's (MODEL_DIR/drafter.DEVICE.pt "
         "where it holds one for the device, e.g. drafter.cuda.pt, else MODEL_DIR/drafter.pt)"
     )
+    parser.add_argument(
+        "--drafter", choices=DRAFTER_CHOICES, default=DEFAULT_DRAFTER,
+        help=DRAFTER_HELP + " (default: %(default)s)",
+    )  # fmt: skip
     for name in SETTING_FLAGS:
         default = getattr(DEFAULTS, name)
         parser.add_argument(
@@ -319,11 +326,11 @@ def translate_typed_lines(translator, args, totals: Totals) -> None:
         totals.add(translator, 1)
 
 
-def drafting_report(settings, stats: DecodingStats) -> str:
-    """Whether the run drafted, and if not, why."""
+def drafting_report(settings, stats: DecodingStats, drafter) -> str:
+    """Whether the run drafted with ``drafter``, and if not, why."""
     if settings.block_size == 0:
         return "drafting off: --block-size 0 decodes with the verifier alone"
-    limit = settings.draft_batch_limit
+    limit = settings.draft_batch_limit(drafter)
     if stats.batches_without_drafts and not stats.drafted_tokens:
         return (
             f"drafting off: every batch had more than {counted(limit, 'sentence')} "
@@ -334,6 +341,8 @@ def drafting_report(settings, stats: DecodingStats) -> str:
             f"drafting in part: {counted(stats.batches_without_drafts, 'batch')} of more than "
             f"{counted(limit, 'sentence')} (--max-draft-batch {limit}) decoded without drafts"
         )
+    if getattr(drafter, "drafts_continuations", False):
+        return f"drafting on: --verify {settings.verify}, whole continuations (--drafter twin)"
     return f"drafting on: --verify {settings.verify}, --block-size {settings.block_size}"
 
 
@@ -355,18 +364,29 @@ def report(translator, totals: Totals, args) -> None:
         return
     stats = totals.decoding
     lines = [
-        drafting_report(translator.settings, stats),
+        drafting_report(translator.settings, stats,
+                        drafter_for_rule(translator.drafter, translator.settings)),
         f"{stats.mean_accepted_per_iteration:.2f} accepted drafts per iteration "
         f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted in "
         f"{stats.iterations} iterations)",
-        f"drafter: {translator.drafter_path} "
-        f"({drafter_for_rule(translator.drafter, translator.settings).precision})",
+        f"drafter: {drafter_used(translator)}",
         f"{speed}, {counted(torch.get_num_threads(), 'CPU thread')}",
         f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
         "log-probability per output token, EOS included, in nats)",
     ]
     for line in lines:
         print(f"spec-nmt-translate stats: {line}", file=sys.stderr)
+
+
+def drafter_used(translator) -> str:
+    """What drafted for the translator's rule: the twin, the drafter file (with its
+    precision) or nothing."""
+    drafter = drafter_for_rule(translator.drafter, translator.settings)
+    if getattr(drafter, "description", None):
+        return drafter.description
+    if drafter.precision == "none":
+        return "none (the verifier alone)"
+    return f"{translator.drafter_path} ({drafter.precision})"
 
 
 @contextlib.contextmanager
@@ -401,6 +421,7 @@ def run(args) -> None:
     translator = SpecTranslator.from_pretrained(
         args.model_dir,
         drafter_path=args.drafter_path,
+        drafter=args.drafter,
         device="cpu" if args.cpu else None,
         drafter_precision=args.drafter_precision,
         threads=args.threads,

@@ -1,8 +1,12 @@
-"""Files that are whole or absent: the scripts' outputs that a resumed run trusts."""
+"""Files that are whole or absent: the scripts' outputs that a resumed run trusts; and where this
+machine keeps what spec_nmt makes once and reuses (kernel choices, the verifiers' twins)."""
 
 import contextlib
 import os
 from pathlib import Path
+
+# $XDG_CACHE_HOME/spec-nmt, else ~/.cache/spec-nmt: delete it to make everything again
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spec-nmt"
 
 
 @contextlib.contextmanager

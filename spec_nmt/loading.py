@@ -4,6 +4,7 @@ together.
 """
 
 import copy
+import logging
 import os
 import warnings
 from typing import Optional
@@ -14,11 +15,15 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 
 from spec_nmt.checkpoint_loading import checkpoint_arch, model_config
 from spec_nmt.compact_drafter import with_verifier_copies
+from spec_nmt.decoding.drafter import NoDrafter
 from spec_nmt.drafters.ar_drafter import ArDrafter
 from spec_nmt.drafters.cached_drafter import CachedDrafterModel, same_weights
 from spec_nmt.drafters.feature_drafter import FeatureDrafterModel
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel, restrict_output
+from spec_nmt.drafters.twin_drafter import TwinUnavailable, load_twin
 from spec_nmt.errors import SpecNmtError
+
+logger = logging.getLogger(__name__)
 
 DRAFTER_PRECISION_NAMES = ("auto", "fp32", "bf16", "int8")
 DEFAULT_DRAFTER_PRECISION = "auto"
@@ -31,6 +36,52 @@ DRAFTER_PRECISION_HELP = (
     "for relaxed top-beta/tau, which drafts in fp32; else fp32. The verifier stays as it is, so "
     "every rule keeps its guarantee"
 )
+
+
+DRAFTER_CHOICES = ("auto", "twin", "file", "none")
+DEFAULT_DRAFTER = "auto"
+DRAFTER_HELP = (
+    "what drafts: twin (the verifier's own CTranslate2 int8 twin, made once per verifier and "
+    "kept in ~/.cache/spec-nmt/twins: whole continuations, no training; CPU only), file (the "
+    "drafter checkpoint, --drafter-path), none (the verifier alone). auto: the twin for the "
+    "lossless rule and speculative sampling on the CPU, where it measured fastest, and the "
+    "drafter file for the relaxed rule (the twin's drafts may depend on the batch), RSD, draft "
+    "trees and the GPU. Where the twin cannot be made (no ctranslate2, a verifier it cannot "
+    "convert), one line says so and the drafter file drafts"
+)
+
+
+def load_decoding_drafter(task, choice: str, path: Optional[str], verifier_model):
+    """The drafter that decoding gets for --drafter ``choice``: the drafter file's adapter
+    (``load_drafter``; ``path`` None: none), with the verifier's twin beside it as its ``twin``
+    (``decoding.drafter.drafter_for_rule`` says which rule drafts with which), or the twin
+    alone, or a drafter that drafts nothing."""
+    if choice not in DRAFTER_CHOICES:
+        raise SpecNmtError(f"--drafter must be one of {', '.join(DRAFTER_CHOICES)}, "
+                           f"got {choice!r}")  # fmt: skip
+    if choice == "file" and path is None:
+        raise SpecNmtError("--drafter file needs a drafter checkpoint (--drafter-path)")
+    drafter = None
+    if path is not None and choice != "none":
+        drafter = load_drafter(task, path, verifier_model)
+    twin = None
+    wanted = choice == "twin" or (
+        choice == "auto" and next(verifier_model.parameters()).device.type == "cpu")
+    if wanted:
+        try:
+            twin = load_twin(verifier_model, task.source_dictionary, task.target_dictionary,
+                             verifier_model.decoder.max_positions())  # fmt: skip
+            twin.chosen_by_name = choice == "twin"
+        except TwinUnavailable as error:
+            logger.warning("no twin drafter: %s; %s drafts", error,
+                           path if drafter is not None else "nothing (the verifier alone)")
+    if twin is not None and drafter is not None:
+        drafter.twin = twin
+        return drafter
+    if drafter is None:
+        drafter = twin or _with_precision(NoDrafter(verifier_model.decoder.max_positions(),
+                                                    len(task.target_dictionary)), "none")
+    return drafter
 
 
 def load_drafter(task, path: str, verifier_model):
@@ -81,10 +132,10 @@ def load_drafter(task, path: str, verifier_model):
         adapter = drafter_adapter(_in_bf16(model), task.target_dictionary, vocabulary)
         if task.cfg.drafter_precision == "auto":
             # bf16 drafts depend a little on the batch (rounding by kernel shape): the relaxed
-            # rule, whose translations the drafts decide, drafts with this fp32 twin
+            # rule, whose translations the drafts decide, drafts with this fp32 copy
             # (decoding/drafter.py, drafter_for_rule), so that no translation depends on its
             # batch
-            adapter.fp32_twin = _with_precision(
+            adapter.fp32_copy = _with_precision(
                 drafter_adapter(model, task.target_dictionary, vocabulary), "fp32")
         return _with_precision(adapter, precision)
     if precision == "int8":
@@ -239,7 +290,7 @@ def drafter_precision(precision: str, device_type: str, dtype: torch.dtype,
     with native bf16 products: half the weight bytes per call, which is what a drafter call
     costs there (BENCHMARKS.md, "The loop on the CPU"), for the same acceptance. bf16 drafts
     depend a little on the batch (rounding by kernel shape), so load_drafter gives auto's an
-    fp32 twin for the relaxed rule."""
+    fp32 copy for the relaxed rule."""
     if precision not in DRAFTER_PRECISION_NAMES:
         raise SpecNmtError(f"--drafter-precision must be one of "
                            f"{', '.join(DRAFTER_PRECISION_NAMES)}, got {precision!r}")  # fmt: skip

@@ -129,13 +129,15 @@ class DecodingSettings:
         "block-size drafts)")})
     # the most sentences a batch may have and still draft; a larger batch decodes with the
     # verifier alone on the same loop, since the bundled pair's drafts cost more than they earn
-    # in a batch (BENCHMARKS.md). None: 1 for the rules whose translations do not depend on the
-    # drafts (lossless top-beta, sampling and rsd: the same distribution), no limit for a
-    # relaxed top-beta/tau, whose drafts decide its translations; 0: no limit
+    # in a batch (BENCHMARKS.md). None: for the rules whose translations do not depend on the
+    # drafts (lossless top-beta, sampling and rsd: the same distribution) 1 with a trained
+    # drafter and the twin's own limit with the twin (draft_batch_limit), no limit for a relaxed
+    # top-beta/tau, whose drafts decide its translations; 0: no limit
     max_draft_batch: Optional[int] = field(default=None, metadata={"help": (
         "the most sentences a batch may have and still draft; larger batches decode with the "
-        "verifier alone (0: draft in every batch; default: 1 for the lossless rule and the "
-        "sampling rules, no limit for a relaxed --beta/--tau)")})
+        "verifier alone (0: draft in every batch; default: for the lossless rule and the "
+        "sampling rules 1 with a drafter file and TWIN_DRAFT_BATCH with the twin, no limit for "
+        "a relaxed --beta/--tau)")})
     # The static loop (decoding/static_loop.py) removes the host's waits and, on CUDA, replays
     # each iteration as one captured graph; it serves top_beta chains with the cached drafter
     # (its CTC form too), the feature drafter or none, and every other batch decodes on the
@@ -212,12 +214,13 @@ class DecodingSettings:
         sampling rules give the verifier's own."""
         return self.verify == "top_beta" and self.beta > 1
 
-    @property
-    def draft_batch_limit(self) -> int:
-        """The most sentences a batch drafts for (0: any number), ``max_draft_batch`` resolved."""
+    def draft_batch_limit(self, drafter=None) -> int:
+        """The most sentences a batch drafts for (0: any number), ``max_draft_batch`` resolved
+        for ``drafter``: its own ``default_draft_batch`` where it has one (the twin's drafts pay
+        in larger batches than a trained drafter's)."""
         if self.max_draft_batch is not None:
             return self.max_draft_batch
-        return 0 if self.relaxed else DEFAULT_DRAFT_BATCH
+        return 0 if self.relaxed else getattr(drafter, "default_draft_batch", DEFAULT_DRAFT_BATCH)
 
     def _check_max_draft_batch(self) -> None:
         limit = self.max_draft_batch

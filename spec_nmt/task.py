@@ -33,10 +33,13 @@ from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel
 from spec_nmt.drafters.training_batches import drafter_sample, unwrapped
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import (
+    DEFAULT_DRAFTER,
     DEFAULT_DRAFTER_PRECISION,
+    DRAFTER_CHOICES,
+    DRAFTER_HELP,
     DRAFTER_PRECISION_HELP,
     DRAFTER_PRECISION_NAMES,
-    load_drafter,
+    load_decoding_drafter,
     read_checkpoint,
     with_mask,
 )
@@ -52,6 +55,7 @@ from spec_nmt.text import cut_to_limit, tolerant_stdin
 VERIFY_CHOICES = ChoiceEnum(list(RULES))
 LOOP_CHOICES = ChoiceEnum(list(DECODING_LOOPS))
 DRAFTER_PRECISIONS = ChoiceEnum(list(DRAFTER_PRECISION_NAMES))
+DRAFTER_KINDS = ChoiceEnum(list(DRAFTER_CHOICES))
 
 
 @dataclass
@@ -69,10 +73,11 @@ class SpecTranslationBaseConfig(TranslationConfig):
         default=None,
         metadata={
             "help": "drafter checkpoint (Spec-Drafter, cached or autoregressive drafter); when "
-            "given, fairseq-generate/fairseq-interactive decode speculatively with the --path "
-            "model as the verifier"
+            "given (or with --drafter twin or none), fairseq-generate/fairseq-interactive "
+            "decode speculatively with the --path model as the verifier"
         },
     )
+    drafter: DRAFTER_KINDS = field(default=DEFAULT_DRAFTER, metadata={"help": DRAFTER_HELP})
     drafter_precision: DRAFTER_PRECISIONS = field(
         default=DEFAULT_DRAFTER_PRECISION,
         metadata={"help": DRAFTER_PRECISION_HELP},
@@ -227,7 +232,8 @@ class SpecTranslationTask(TranslationTask):
         extra_gen_cls_kwargs=None,
         prefix_allowed_tokens_fn=None,
     ):
-        if self.cfg.drafter_path is None:
+        # without a drafter file, only --drafter twin or none asks for speculative decoding
+        if self.cfg.drafter_path is None and self.cfg.drafter in ("auto", "file"):
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
@@ -236,7 +242,8 @@ class SpecTranslationTask(TranslationTask):
         # default --beam 5 says; fairseq-generate prints this value ("Generate test with beam=").
         args.beam = 1
         tolerant_stdin()
-        drafter = load_drafter(self, self.cfg.drafter_path, models[0])
+        drafter = load_decoding_drafter(self, self.cfg.drafter, self.cfg.drafter_path,
+                                        models[0])  # fmt: skip
         # fairseq-generate/-interactive seed torch with --seed just before this call
         generator = self.speculative_generator(models[0], drafter, args, seed=torch.initial_seed())
         atexit.register(generator.log_summary)

@@ -38,7 +38,7 @@ from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, load_drafter
+from spec_nmt.loading import DEFAULT_DRAFTER, DEFAULT_DRAFTER_PRECISION, load_decoding_drafter
 from spec_nmt.number_repair import ConstrainedRedecoder, repair
 from spec_nmt.runtime import DEFAULT_THREADS, use_threads
 from spec_nmt.settings import DEFAULTS, KEYWORDS, DecodingSettings, check_sampling_settings_used
@@ -87,6 +87,7 @@ class SpecTranslator:
         source_lang: str = "de",
         target_lang: str = "en",
         device: Optional[str] = None,
+        drafter: str = DEFAULT_DRAFTER,
         drafter_precision: str = DEFAULT_DRAFTER_PRECISION,
         verbose: bool = False,
         dtype: torch.dtype = torch.float32,
@@ -95,8 +96,10 @@ class SpecTranslator:
     ) -> "SpecTranslator":
         """Load ``model_dir`` onto ``device`` (default: CUDA when available) with its drafter
         for that device (``device_drafter``), or ``drafter_path`` instead, in ``dtype``
-        (torch.float16: as fairseq's --fp16);
-        ``drafter_precision`` (auto, fp32, bf16, int8) is the task's ``--drafter-precision``.
+        (torch.float16: as fairseq's --fp16); ``drafter`` (auto, twin, file, none) is the
+        task's ``--drafter`` (auto and twin need no drafter file; auto drafts with it where the
+        twin does not), ``drafter_precision`` (auto, fp32, bf16, int8) its
+        ``--drafter-precision``.
         ``settings`` are the defaults of every call. fairseq's and spec_nmt's INFO lines
         (dictionary sizes, loading) go to the log only when ``verbose``; warnings always do.
         ``threads``: torch's CPU threads per operation, set for the whole process
@@ -108,9 +111,15 @@ class SpecTranslator:
             logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
         model_dir = Path(model_dir)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        drafter_path = Path(drafter_path) if drafter_path else device_drafter(model_dir, device)
+        given = drafter_path is not None
+        drafter_path = Path(drafter_path) if given else device_drafter(model_dir, device)
         needed = ["verifier.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt", "spm.model"]
-        for path in [model_dir / name for name in needed] + [drafter_path]:
+        needed = [model_dir / name for name in needed]
+        if drafter != "none" and (given or drafter == "file" or drafter_path.is_file()):
+            needed.append(drafter_path)
+        else:  # (the twin, or nothing, drafts: a verifier without a drafter of its own)
+            drafter_path = None
+        for path in needed:
             if not path.is_file():
                 raise SpecNmtError(
                     f"{path} is missing: a model directory holds verifier.pt, drafter.pt, "
@@ -119,12 +128,13 @@ class SpecTranslator:
         defaults = DEFAULTS.replace(**settings)
         cfg = SpecTranslationConfig(
             data=str(model_dir), source_lang=source_lang, target_lang=target_lang,
-            drafter_path=str(drafter_path), drafter_precision=drafter_precision,
+            drafter_path=drafter_path and str(drafter_path), drafter=drafter,
+            drafter_precision=drafter_precision,
         )  # fmt: skip
         task = SpecTranslationTask.setup_task(cfg)
         verifier = _load_verifier(model_dir / "verifier.pt", task)
         verifier = verifier.to(device=device, dtype=dtype).eval()
-        drafter = load_drafter(task, str(drafter_path), verifier)
+        drafter = load_decoding_drafter(task, drafter, cfg.drafter_path, verifier)
         spm_model = _load_sentencepiece(model_dir / "spm.model", task.source_dictionary,
                                         model_dir / f"dict.{source_lang}.txt")  # fmt: skip
         return cls(task, verifier, drafter, spm_model, defaults, seeded="seed" in settings,

@@ -52,7 +52,10 @@ def generate_flags(toy, batch_size, drafter=None, *extra):
     if drafter is None:
         task = ["--task", "translation", "--beam", 1]
     else:
-        task = ["--task", "spec_translation", "--drafter-path", toy[drafter]]
+        # a drafter file by name drafts (--drafter auto would let the verifier's twin draft)
+        chosen = ["--drafter", "twin"] if drafter == "twin" else [
+            "--drafter-path", toy[drafter], "--drafter", "file"]
+        task = ["--task", "spec_translation", *chosen]
         task += ["--block-size", BLOCK_SIZE, "--beta", 1, "--tau", 0, *DRAFT_IN_BATCHES]
     return [toy["bin"], "--path", toy["verifier"], *task, *batching, *COMMON, *extra]
 
@@ -83,7 +86,7 @@ def drafting(toy):
 @pytest.mark.parametrize("batch_size", [1, 16])
 @pytest.mark.parametrize(
     "drafter",
-    ["drafter", "untrained_drafter", "ar_drafter", "cached_drafter", "feature_drafter"],
+    ["drafter", "untrained_drafter", "ar_drafter", "cached_drafter", "feature_drafter", "twin"],
 )
 def test_generate_is_identical_to_stock_greedy(stock_greedy, drafting, drafter, batch_size):
     output = drafting(batch_size, drafter)
@@ -160,9 +163,9 @@ def test_the_verifier_as_its_own_drafter_gets_every_draft_accepted(toy, stock_gr
     state = checkpoint_utils.load_checkpoint_to_cpu(str(toy["verifier"]))
     weight = state["model"]["decoder.layers.0.fc1.bias"]
     weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
-    twin = tmp_path / "twin.pt"
-    save_checkpoint(state, twin)
-    output = generate(dict(toy, twin=twin), 16, "twin")
+    copy = tmp_path / "verifier-copy.pt"
+    save_checkpoint(state, copy)
+    output = generate(dict(toy, verifier_copy=copy), 16, "verifier_copy")
     assert hypotheses(output) == stock_greedy[16]
     # all k drafts + the bonus token per iteration: ceil((length + EOS) / (k + 1)) iterations
     lengths = [len(text.split()) + 1 for text in stock_greedy[16].values()]
@@ -367,7 +370,7 @@ def test_by_default_a_batch_decodes_without_drafts_and_one_sentence_drafts(in_pr
     with monkeypatch.context() as patch:
         patch.setattr(task.cfg, "max_draft_batch", None)
         generator = task_generator(task, models, toy["drafter"])
-    assert generator.settings.draft_batch_limit == 1
+    assert generator.settings.draft_batch_limit() == 1
     sample = batches[0]
     together = [h[0]["tokens"].tolist() for h in generator.generate(models, sample)]
     assert generator.stats.drafted_tokens == 0 and generator.stats.batches_without_drafts == 1

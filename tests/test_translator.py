@@ -236,4 +236,4 @@ def test_drafter_precision_decides_by_device_dtype_drafter_and_cpu(monkeypatch, 
     ],
 )
 def test_the_drafting_batch_limit_by_rule(settings, limit):
-    assert DEFAULTS.replace(**settings).draft_batch_limit == limit
+    assert DEFAULTS.replace(**settings).draft_batch_limit() == limit

@@ -56,6 +56,10 @@ class Drafter(Protocol):
         """A one-line error for drafts ``depth`` deep that the drafter cannot make (the
         generator asks once, before decoding)."""
 
+    # Optional: ``drafts_continuations = True`` says that the drafter drafts to the end of each
+    # sentence (the twin): the loop then plans chains as long as what is left of the batch's
+    # length limits instead of --block-size.
+
 
 # expand(level tokens [B, n], their visibility over uncommitted entries [B, n, U+n], their depth,
 #        whether they are the leaves: their children are never drafted)
@@ -72,11 +76,19 @@ Expand = Callable[[Tensor, Tensor, int, bool], Tensor]
 
 
 def drafter_for_rule(drafter, settings) -> "Drafter":
-    """The drafter a rule drafts with: for the relaxed rule, whose translations the drafts
-    decide, a bf16 drafter's fp32 twin where it has one (loading.load_drafter: bf16 drafts
-    depend a little on the batch)."""
+    """The drafter a rule drafts with, its one home. The verifier's twin
+    (drafters/twin_drafter.py), where one was loaded beside the drafter file, drafts the chains
+    of the rules whose translations the drafts cannot change: lossless top-beta and speculative
+    sampling. The relaxed rule, whose translations the drafts decide, takes the twin only where
+    it was asked for by name (its drafts may depend on the batch), else a bf16 drafter's fp32
+    copy where it has one (loading.load_drafter: bf16 drafts depend a little on the batch).
+    Trees and RSD keep the drafter file (a twin's draft distribution is one-hot)."""
+    twin = getattr(drafter, "twin", None)
+    if twin is not None and settings.draft_plan.is_chain and (
+            not settings.relaxed or twin.chosen_by_name):  # fmt: skip
+        return twin
     if settings.relaxed:
-        return getattr(drafter, "fp32_twin", None) or drafter
+        return getattr(drafter, "fp32_copy", None) or drafter
     return drafter
 
 

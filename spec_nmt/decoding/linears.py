@@ -23,7 +23,6 @@ never goes through it, and drafters under training get a new one per validation)
 
 import json
 import logging
-import os
 import platform
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from spec_nmt.files import written_whole
+from spec_nmt.files import CACHE_DIR, written_whole
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,7 @@ LAST_LEVEL_CACHE_BYTES = 32 << 20
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 NEVER = 1 << 62  # the packed-from row count of a shape whose packed product never won
 # where each machine's choices are kept (per CPU model, torch version and thread count)
-CHOICES_FILE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spec-nmt" / (
-    "product-kernels.json")
+CHOICES_FILE = CACHE_DIR / "product-kernels.json"
 
 
 def packing_available() -> bool:

@@ -216,8 +216,10 @@ class SpeculativeGenerator:
         drafter, plan = self._drafting(int(has_source.sum()))
         if drafter is not self.drafter:
             self.stats.batches_without_drafts += 1
-        slack = plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
         width = int(max_lens.max())
+        if plan.depth and getattr(drafter, "drafts_continuations", False):
+            plan = DraftPlan.chain(width, sample=plan.sample)  # (to the end of the sentence)
+        slack = plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
         tokens = src_tokens.new_full((bsz, width + 2 + slack), self.pad)
         tokens[:, 0] = self.eos
         token_scores = torch.zeros(bsz, width + 1 + slack, device=src_tokens.device)
@@ -241,12 +243,15 @@ class SpeculativeGenerator:
         return batch
 
     def _iteration_plan(self, batch: "BatchDecoding") -> DraftPlan:
-        """The batch's plan, shrunk near the drafter's position limit (it cannot look past it)."""
+        """The batch's plan, shrunk near the drafter's position limit (it cannot look past it)
+        and, for a drafter of whole continuations, to what is left of the rows' length limits."""
         depth = batch.plan.depth
+        rows = batch.rows
         if batch.longest + depth > batch.position_limit:
-            rows = batch.rows
             batch.longest = int(rows.lengths[rows.live].max())
             depth = min(depth, max(batch.position_limit - batch.longest, 0))
+        if depth and getattr(batch.drafter, "drafts_continuations", False):
+            depth = min(depth, int((rows.max_lens - rows.lengths)[rows.live].max()))
         return batch.plan if depth == batch.plan.depth else batch.plan.shrink(depth)
 
     def _commit(self, batch: "BatchDecoding", plan: DraftPlan, tree: DraftTree, logits: Tensor,
@@ -316,7 +321,7 @@ class SpeculativeGenerator:
         """(drafter, draft plan) for a batch of this many sentences to translate: no drafts
         (an empty chain, which commits without moving cache entries) above the settings'
         drafting batch limit."""
-        limit = self.settings.draft_batch_limit
+        limit = self.settings.draft_batch_limit(self.drafter)
         if limit and sentences > limit and self.drafter is not self.no_drafter:
             return self.no_drafter, DraftPlan.chain(0, sample=self.plan.sample)
         return self.drafter, self.plan

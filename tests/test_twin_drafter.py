@@ -1,0 +1,287 @@
+"""The verifier's CTranslate2 twin as drafter (spec_nmt/drafters/twin_drafter.py): lossless output
+token for token equal to stock fairseq greedy on the toy and the bundled pair, alone and in
+batches, also when a perturbed twin disagrees often; the relaxed rule on twin drafts as on the
+same drafts made by hand; exact samples (chi-square, drafting on); the twin cache; and what
+happens without ctranslate2 or with a verifier it cannot convert."""
+
+import copy
+import logging
+import os
+import subprocess
+import sys
+
+import ctranslate2
+import pytest
+import torch
+from fairseq import checkpoint_utils
+from fairseq.sequence_generator import SequenceGenerator
+
+from spec_nmt.decoding.loop import SpeculativeGenerator
+from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.decoding.tree import chain
+from spec_nmt.drafters import twin_drafter
+from spec_nmt.drafters.twin_drafter import TwinUnavailable, intact, load_twin, twin_directory
+from spec_nmt.loading import load_decoding_drafter
+from spec_nmt.settings import DecodingSettings
+from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
+from spec_nmt.translator import SpecTranslator
+from tests import test_sampling_exact as sampling
+from tests.conftest import BIN, BUNDLED_MODEL_DIR
+from tests.stats import chi_square_pvalue
+
+MAX_LEN_B = 40
+
+
+@pytest.fixture(scope="module")
+def toy_pair(toy):
+    cfg = SpecTranslationConfig(data=str(toy["bin"]), source_lang="de", target_lang="en",
+                                dataset_impl="mmap", required_seq_len_multiple=1)  # fmt: skip
+    task = SpecTranslationTask.setup_task(cfg)
+    task.load_dataset("test")
+    (verifier,), _ = checkpoint_utils.load_model_ensemble([str(toy["verifier"])], task=task)
+    return task, verifier.eval()
+
+
+def batches(task, batch_size):
+    return list(task.get_batch_iterator(task.dataset("test"), max_sentences=batch_size,
+                                        max_positions=(1024, 1024)).next_epoch_itr(shuffle=False))
+
+
+def twin_of(model, task, twins):
+    return load_twin(model, task.source_dictionary, task.target_dictionary,
+                     model.decoder.max_positions(), twins)  # fmt: skip
+
+
+def perturbed(model, scale=0.05, seed=0):
+    """A copy of ``model`` with noise on its decoder's weights: its twin often disagrees."""
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in noisy.decoder.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * scale * weight.std())
+    return noisy
+
+
+@torch.no_grad()
+def decode_with(task, verifier, drafter, batch_size, **settings):
+    """(tokens per sentence id, the generator's stats) of speculative decoding."""
+    settings = DecodingSettings(max_len_a=0, max_len_b=MAX_LEN_B, **settings)
+    generator = SpeculativeGenerator(BlockScorer(verifier), drafter, task.target_dictionary,
+                                     settings)  # fmt: skip
+    found = {}
+    for sample in batches(task, batch_size):
+        for sentence, hypos in zip(sample["id"].tolist(), generator.generate(None, sample)):
+            found[sentence] = hypos[0]["tokens"].tolist()
+    return found, generator.stats
+
+
+@torch.no_grad()
+def stock_greedy(task, verifier, batch_size):
+    stock = SequenceGenerator([verifier], task.target_dictionary, beam_size=1,
+                              max_len_b=MAX_LEN_B)  # fmt: skip
+    found = {}
+    for sample in batches(task, batch_size):
+        for sentence, hypos in zip(sample["id"].tolist(), stock.generate([verifier], sample)):
+            found[sentence] = hypos[0]["tokens"].tolist()
+    return found
+
+
+@pytest.mark.parametrize("batch_size", [1, 16])
+@pytest.mark.parametrize("twin_kind", ["own", "perturbed"])
+def test_twin_drafts_give_stock_greedy_output(toy_pair, tmp_path, batch_size, twin_kind):
+    """The verifier's own twin gets whole continuations accepted; a perturbed verifier's twin
+    disagrees in many sentences, and the output stays the verifier's greedy translation."""
+    task, verifier = toy_pair
+    source = verifier if twin_kind == "own" else perturbed(verifier)
+    twin = twin_of(source, task, tmp_path)
+    found, stats = decode_with(task, verifier, twin, batch_size, max_draft_batch=0)
+    assert found == stock_greedy(task, verifier, batch_size)
+    rounds_after_the_first = stats.iterations - stats.sentences  # a disagreement each
+    print(f"{twin_kind} twin, batch {batch_size}: {stats.summary()}")
+    assert stats.drafted_tokens > stats.output_tokens / 2
+    if twin_kind == "own":
+        assert stats.accepted_tokens > 0.8 * stats.output_tokens
+        assert rounds_after_the_first < stats.sentences
+    else:
+        assert rounds_after_the_first > stats.sentences
+
+
+class DraftsByHand:
+    """Greedy continuations asked of CTranslate2 here, outside the twin drafter: what the twin
+    should draft, for comparison."""
+
+    def __init__(self, twin, task):
+        self.twin = twin
+        self.translator = ctranslate2.Translator(str(twin.directory), compute_type="int8")
+        self.dictionary = task.target_dictionary
+        for name in ("max_positions", "max_source_positions", "start", "commit", "select_rows",
+                     "check_depth"):  # (as the twin)
+            setattr(self, name, getattr(twin, name))
+
+    def propose(self, state, tokens, lengths, plan, generator):
+        drafts = []
+        for row, source in enumerate(state.sources):
+            prefix = [self.dictionary[t] for t in tokens[row, 1 : int(lengths[row]) + 1]]
+            if prefix and prefix[-1] == self.dictionary.eos_word:  # finished
+                drafts.append([])
+                continue
+            (result,) = self.translator.translate_batch([source], target_prefix=[prefix],
+                                                        beam_size=1, max_decoding_length=200)
+            continuation = result.hypotheses[0][len(prefix) :][: plan.depth]
+            drafts.append([self.dictionary.index(piece) for piece in continuation])
+        width = max(map(len, drafts))
+        block = torch.full((len(drafts), width), self.dictionary.pad())
+        for row, row_drafts in enumerate(drafts):
+            block[row, : len(row_drafts)] = torch.tensor(row_drafts, dtype=torch.long)
+        return chain(block, valid=block.ne(self.dictionary.pad()))
+
+
+def test_the_relaxed_rule_judges_twin_drafts_as_the_same_drafts_made_by_hand(toy_pair, tmp_path):
+    task, verifier = toy_pair
+    twin = twin_of(perturbed(verifier), task, tmp_path)
+    by_hand = DraftsByHand(twin, task)
+    relaxed = dict(beta=3, tau=1.0)
+    drafted, stats = decode_with(task, verifier, twin, 1, **relaxed)
+    assert drafted == decode_with(task, verifier, by_hand, 1, **relaxed)[0]
+    assert drafted != stock_greedy(task, verifier, 1)  # the relaxed rule took other tokens
+    assert stats.iterations > stats.sentences  # with rejections
+
+
+def test_sampling_with_twin_drafts_is_exact(tmp_path):
+    """Speculative sampling over the twin's greedy continuations (a one-hot draft
+    distribution): the first two tokens follow the verifier's distribution, and drafts are
+    both accepted and rejected."""
+    models = sampling.build_models()
+    verifier, dictionary = models["verifier"], models["dictionary"]
+    task = SpecTranslationTask(SpecTranslationConfig(), dictionary, dictionary)
+    twin = twin_of(verifier, task, tmp_path)
+    settings = DecodingSettings(verify="sampling", temperature=sampling.TEMPERATURE, seed=0,
+                                max_len_a=0, max_len_b=2, max_draft_batch=0)  # fmt: skip
+    generator = SpeculativeGenerator(BlockScorer(verifier, temperature=sampling.TEMPERATURE),
+                                     twin, dictionary, settings)  # fmt: skip
+    counts = sampling.first_two_counts(lambda s: generator.generate(None, s), dictionary)
+    pvalue = chi_square_pvalue(counts, sampling.exact_joint(models).flatten())
+    print(f"twin sampling: {generator.stats.summary()}; p = {pvalue:.3g}")
+    assert generator.stats.accepted_tokens > 0.2 * sampling.SAMPLES
+    assert generator.stats.iterations > 1.1 * sampling.SAMPLES  # rejections too
+    assert pvalue > 1e-3
+
+
+def test_the_twin_is_made_once_and_made_again_when_the_verifier_changes(toy_pair, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
+    task, verifier = toy_pair
+    conversions = []
+    converter = twin_drafter._converter
+    monkeypatch.setattr(twin_drafter, "_converter",
+                        lambda *a: conversions.append(1) or converter(*a))  # fmt: skip
+    first = twin_directory(verifier, task.source_dictionary, task.target_dictionary, tmp_path)
+    again = twin_directory(verifier, task.source_dictionary, task.target_dictionary, tmp_path)
+    assert first == again and len(conversions) == 1
+    changed = perturbed(verifier, scale=1e-3)
+    other = twin_directory(changed, task.source_dictionary, task.target_dictionary, tmp_path)
+    assert other != first and len(conversions) == 2
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([first.name, other.name])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "half-written"])
+def test_a_corrupt_twin_is_made_again(toy_pair, tmp_path, damage):
+    task, verifier = toy_pair
+    directory = twin_directory(verifier, task.source_dictionary, task.target_dictionary, tmp_path)
+    whole = (directory / "model.bin").read_bytes()
+    if damage == "truncated":
+        (directory / "model.bin").write_bytes(whole[: len(whole) // 2])
+    else:  # stopped before its manifest was written
+        (directory / twin_drafter.MANIFEST).unlink()
+    assert not intact(directory, directory.name)
+    twin = twin_of(verifier, task, tmp_path)
+    assert twin.directory == directory and intact(directory, directory.name)
+    assert (directory / "model.bin").read_bytes() == whole
+
+
+def test_conversion_leaves_the_verifier_as_it_was(toy_pair, tmp_path):
+    """CTranslate2 quantizes the tensors it is given in place: the twin is made from a copy."""
+    task, verifier = toy_pair
+    before = {name: tensor.clone() for name, tensor in verifier.state_dict().items()}
+    twin_directory(verifier, task.source_dictionary, task.target_dictionary, tmp_path)
+    after = verifier.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_verifier_ctranslate2_cannot_convert_drafts_with_the_drafter_file(toy, toy_pair,
+                                                                           caplog):  # fmt: skip
+    task, verifier = toy_pair
+    unconvertible = copy.deepcopy(verifier)
+    unconvertible.args = copy.copy(verifier.args)  # (CTranslate2 reads the options there)
+    unconvertible.args.encoder_normalize_before = not verifier.args.decoder_normalize_before
+    with caplog.at_level(logging.WARNING, logger="spec_nmt"):
+        drafter = load_decoding_drafter(task, "auto", str(toy["cached_drafter"]), unconvertible)
+    assert getattr(drafter, "twin", None) is None and type(drafter).__name__ == "CachedDrafter"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "CTranslate2 cannot convert this verifier" in warning and "\n" not in warning
+    assert str(toy["cached_drafter"]) in warning
+    with pytest.raises(TwinUnavailable):
+        twin_of(unconvertible, task, toy["root"] / "no-twins")
+
+
+def test_without_ctranslate2_one_line_says_so_and_the_drafter_file_drafts(tmp_path):
+    """spec-nmt-translate where ctranslate2 cannot be imported: one warning line, then the
+    model directory's drafter; N lines in, N lines out."""
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "ctranslate2.py").write_text("raise ImportError('blocked for the test')\n")
+    lines = ["Guten Morgen.", "", "Der Hund schläft im Garten.", "Wie geht es dir?"]
+    result = subprocess.run(
+        [str(BIN / "spec-nmt-translate"), str(BUNDLED_MODEL_DIR), "--cpu", "--stats"],
+        input="\n".join(lines) + "\n", capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(blocked)}, check=True,
+    )  # fmt: skip
+    assert len(result.stdout.splitlines()) == len(lines)
+    warnings = [line for line in result.stderr.splitlines() if "no twin drafter" in line]
+    assert len(warnings) == 1 and "ctranslate2 is not installed" in warnings[0]
+    assert "drafter: " + str(BUNDLED_MODEL_DIR / "drafter.pt") in result.stderr
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_the_bundled_pair_with_its_twin_gives_stock_greedy_output(bundled, batch_size):
+    lines = (BUNDLED_MODEL_DIR.parent.parent / "examples.de").read_text().splitlines()[:12]
+    pieces = [bundled.spm.encode(line, out_type=str) for line in lines]
+    dictionary = bundled.src_dict
+    stock = SequenceGenerator([bundled.verifier], bundled.tgt_dict, beam_size=1, max_len_a=1.2,
+                              max_len_b=10)  # fmt: skip
+    generator = bundled.generator()
+    assert generator.drafter is bundled.drafter.twin
+    for start in range(0, len(lines), batch_size):
+        rows = [torch.tensor([dictionary.index(p) for p in line] + [dictionary.eos()])
+                for line in pieces[start : start + batch_size]]
+        src = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True,
+                                              padding_value=dictionary.pad())  # fmt: skip
+        sample = {"net_input": {"src_tokens": src,
+                                "src_lengths": torch.tensor([len(r) for r in rows])}}
+        if batch_size > 1:  # fairseq pads sources on the left
+            sample["net_input"]["src_tokens"] = torch.stack([
+                torch.cat([r.new_full((src.size(1) - len(r),), dictionary.pad()), r])
+                for r in rows])  # fmt: skip
+        with torch.no_grad():
+            expected = [h[0]["tokens"].tolist() for h in stock.generate([bundled.verifier],
+                                                                         sample)]
+            found = [h[0]["tokens"].tolist() for h in generator.generate(None, sample)]
+        assert found == expected
+    assert generator.stats.accepted_tokens > 0.7 * generator.stats.output_tokens
+
+
+def test_the_twin_in_a_worker_process_drafts_as_in_this_one(toy_pair, tmp_path):
+    """The worker process (twin_worker.py, for runs of several threads) gives the same drafts."""
+    task, verifier = toy_pair
+    here = decode_with(task, verifier, twin_of(perturbed(verifier), task, tmp_path), 16)
+    worker = load_twin(perturbed(verifier), task.source_dictionary, task.target_dictionary,
+                       verifier.decoder.max_positions(), tmp_path, engine="worker")
+    assert type(worker.engine).__name__ == "WorkerProcess"
+    there = decode_with(task, verifier, worker, 16)
+    assert there[0] == here[0]
+    assert (there[1].iterations, there[1].accepted_tokens) == (here[1].iterations,
+                                                                here[1].accepted_tokens)
