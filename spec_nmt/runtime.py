@@ -1,6 +1,8 @@
 """The process's CPU threads: how many threads torch gives one operation, set once for the whole
 process by ``spec-nmt-translate --threads``, ``SpecTranslator.from_pretrained(threads=...)`` and
-``make translate THREADS=...``. The default lives here and nowhere else.
+``make translate THREADS=...``, and by the plugin's task when fairseq-generate or
+fairseq-interactive decode speculatively (``--threads``, or OMP_NUM_THREADS where the user set
+it). The default lives here and nowhere else.
 
 Why 1 by default (benchmarks/results/busy-machine-threads.json, 2 cores, batch 1): torch's own
 default, one thread per core, makes every operation wait for the thread whose core another
@@ -10,6 +12,8 @@ batch 1 and 1.7x in batches of 32: ``--threads`` is for cores nothing else needs
 passive wait policy (OMP_WAIT_POLICY=PASSIVE, read when torch loads) avoids the collapse but
 left 2 threads no faster than 1 anywhere, so nothing sets it.
 """
+
+import os
 
 import torch
 
@@ -34,3 +38,12 @@ def check_threads(threads, name: str = "threads") -> int:
 def use_threads(threads: int, name: str = "threads") -> None:
     """Let torch use ``threads`` threads per operation, in the whole process, from now on."""
     torch.set_num_threads(check_threads(threads, name))
+
+
+def use_threads_unless_set(threads, name: str = "--threads") -> None:
+    """For the stock fairseq commands: ``threads`` when given, else torch's own choice where the
+    user set OMP_NUM_THREADS (torch read it when it loaded), else the default."""
+    if threads is not None:
+        use_threads(threads, name)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        use_threads(DEFAULT_THREADS)
