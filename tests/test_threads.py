@@ -1,6 +1,7 @@
 """torch's CPU threads (issues 58, 67): spec-nmt-translate --threads, from_pretrained(threads=),
-make translate THREADS= and the task's --threads (fairseq-generate/-interactive) reach torch, the default is spec_nmt.runtime's and --help says why, and
-a count below 1 is a one-line error naming what the caller wrote."""
+make translate THREADS= and the task's --threads (fairseq-generate/-interactive) reach torch,
+the default is spec_nmt.runtime's and --help says why, and a count below 1 is a one-line error
+naming what the caller wrote."""
 
 import os
 import subprocess
