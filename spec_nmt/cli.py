@@ -17,7 +17,7 @@ which it is).
 A sentence whose translation lost one of its numbers is repaired (--no-number-repair: not).
 
 --verify sampling or rsd samples translations (--temperature, --sampling-topk, --sampling-topp),
-from a fresh seed each run unless --seed gives one.
+from a fresh seed each run, printed on stderr, unless --seed gives one.
 """
 
 import argparse
@@ -27,7 +27,9 @@ import itertools
 import logging
 import os
 import sys
+import secrets
 import time
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator, List, Optional, TextIO
 
@@ -60,9 +62,9 @@ from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 PROGRESS_DELAY_S = 1.0
 DEFAULT_BUFFER_SIZE = 1000
 # The decoding settings spec-nmt-translate takes as flags, with DecodingSettings' help texts.
-SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "draft_stop", "max_draft_batch",
-                 "decoding_loop", "temperature", "sampling_topk", "sampling_topp",
-                 "seed")  # fmt: skip
+SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
+                 "draft_stop", "max_draft_batch", "decoding_loop", "temperature",
+                 "sampling_topk", "sampling_topp", "seed")  # fmt: skip
 # Whether the input is text is judged on its first bytes: a NUL byte there, or more than this
 # share of its characters not UTF-8, and it is refused. German text in Latin-1 (its umlauts
 # are the only bytes that are not UTF-8) stays below it; if none of its bytes above ASCII are
@@ -96,11 +98,11 @@ def parse_args(argv=None):
         default = getattr(DEFAULTS, name)
         parser.add_argument(
             f"--{name.replace('_', '-')}",
-            type=int if default is None else type(default),
+            type=setting_type(name),
             choices={"verify": list(RULES), "decoding_loop": list(DECODING_LOOPS)}.get(name),
             default=None,
             help=flag_help(name, with_default=name != "seed")
-            + ("; default: a fresh seed each run, so runs differ" if name == "seed" else ""),
+            + ("; default: a fresh seed each run, printed on stderr, so runs differ" if name == "seed" else ""),
         )
     parser.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
@@ -166,6 +168,12 @@ def parse_args(argv=None):
     settings = DecodingSettings(**given_settings(args))
     check_sampling_settings_used(settings.verify, given_settings(args), FLAGS)
     return args
+
+
+def setting_type(name: str) -> type:
+    """The type of a decoding setting, as its flag parses it (Optional[int] is int)."""
+    kind = next(setting.type for setting in fields(DecodingSettings) if setting.name == name)
+    return typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
 
 
 def given_settings(args) -> dict:
@@ -337,6 +345,13 @@ def drafting_report(settings, stats: DecodingStats) -> str:
     return f"drafting on: --verify {settings.verify}, --block-size {settings.block_size}"
 
 
+def drafter_precision(translator, stats: DecodingStats) -> str:
+    """The precision the drafter drafted in, or that it did not draft."""
+    if not stats.drafted_tokens:
+        return "no drafts"
+    return drafter_for_rule(translator.drafter, translator.settings).precision
+
+
 def report(translator, totals: Totals, args) -> None:
     """The throughput of the decoding, and with --stats what drafting did (stderr)."""
     seconds = max(totals.seconds, 1e-9)
@@ -359,8 +374,7 @@ def report(translator, totals: Totals, args) -> None:
         f"{stats.mean_accepted_per_iteration:.2f} accepted drafts per iteration "
         f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted in "
         f"{stats.iterations} iterations)",
-        f"drafter: {translator.drafter_path} "
-        f"({drafter_for_rule(translator.drafter, translator.settings).precision})",
+        f"drafter: {translator.drafter_path} ({drafter_precision(translator, stats)})",
         f"{speed}, {counted(torch.get_num_threads(), 'CPU thread')}",
         f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
         "log-probability per output token, EOS included, in nats)",
@@ -396,6 +410,12 @@ def main(argv=None):
 
 def run(args) -> None:
     settings = given_settings(args)
+    if RULES[settings.get("verify", DEFAULTS.verify)].sampled_drafts and args.seed is None:
+        # one seed for the whole run, so that --seed gives its samples again
+        settings["seed"] = secrets.randbits(63)
+        if args.stats or not args.quiet:
+            print(f"spec-nmt-translate: sampling with seed {settings['seed']}, drawn for this "
+                  f"run (--seed {settings['seed']} samples the same again)", file=sys.stderr)
     # (before the models load: a wrong input fails at once)
     stream = open_input(args.input, args.encoding)
     translator = SpecTranslator.from_pretrained(

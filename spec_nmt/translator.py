@@ -108,6 +108,8 @@ class SpecTranslator:
             logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
         model_dir = Path(model_dir)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if drafter_path and not Path(drafter_path).is_file():
+            raise SpecNmtError(f"drafter {drafter_path}: no such file")
         drafter_path = Path(drafter_path) if drafter_path else device_drafter(model_dir, device)
         needed = ["verifier.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt", "spm.model"]
         for path in [model_dir / name for name in needed] + [drafter_path]:
