@@ -78,14 +78,14 @@ def cut_to_limit(line_tokens: torch.Tensor, limit: int) -> torch.Tensor:
     return torch.cat([line_tokens[: limit - 1], line_tokens[-1:]])
 
 
-def tolerant_stdin(encoding: Optional[str] = None) -> None:
+def tolerant_stdin(encoding: Optional[str] = None, errors: str = "replace") -> None:
     """fairseq-interactive reads stdin with Python's defaults, so an invalid UTF-8 byte kills it
     and a lone carriage return splits a line in two. Before anything is read, make bad bytes
-    U+FFFD and only newlines end lines, so N input lines always give N outputs (and read
-    ``encoding`` when given)."""
+    U+FFFD (or what the codec error handler ``errors`` makes them) and only newlines end lines,
+    so N input lines always give N outputs (and read ``encoding`` when given)."""
     if isinstance(sys.stdin, io.TextIOWrapper):
         try:
-            sys.stdin.reconfigure(errors="replace", newline="\n",
+            sys.stdin.reconfigure(errors=errors, newline="\n",
                                   **({"encoding": encoding} if encoding else {}))  # fmt: skip
         except (OSError, ValueError):  # already read from (e.g. the API in a REPL): leave it
             pass
