@@ -203,14 +203,14 @@ class SpecTranslator:
         generator = self.generator(verify=verify, **settings)
         return self._decode(generator, lines, batch_size, split_sentences, progress, keep_numbers)
 
-    def encode(self, lines: Sequence[str]) -> List[torch.Tensor]:
+    def encode(self, lines: Sequence[str], warn: bool = True) -> List[torch.Tensor]:
         """Source token ids per line; a line longer than the models accept keeps its first
-        tokens (with a warning)."""
+        tokens (with a warning unless not ``warn``)."""
         tokens = []
         for line in lines:
             pieces = " ".join(self.spm.encode(_clean(line), out_type=str))
             ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=True).long()
-            tokens.append(cut_to_limit(ids, self.max_source_tokens))
+            tokens.append(cut_to_limit(ids, self.max_source_tokens, warn))
         return tokens
 
     def encode_target(self, text: str) -> torch.Tensor:
@@ -238,7 +238,9 @@ class SpecTranslator:
     def number_repair(self, settings: DecodingSettings) -> Callable[[str, str], str]:
         """(source sentence, its translation) → the translation with its lost numbers put back,
         re-decoding with the verifier and these settings' length limits where it must."""
-        redecode = ConstrainedRedecoder(self.verifier, self.tgt_dict, settings, self.encode,
+        # (a sentence decoded again was encoded, and its cut reported, once already)
+        encode_again = functools.partial(self.encode, warn=False)
+        redecode = ConstrainedRedecoder(self.verifier, self.tgt_dict, settings, encode_again,
                                         self.encode_target, self.decode, self.batches)  # fmt: skip
         return functools.partial(repair, redecode=redecode)
 
