@@ -13,11 +13,14 @@ passive wait policy (OMP_WAIT_POLICY=PASSIVE, read when torch loads) avoids the 
 left 2 threads no faster than 1 anywhere, so nothing sets it.
 """
 
+import logging
 import os
 
 import torch
 
 from spec_nmt.errors import SpecNmtError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_THREADS = 1
 THREADS_HELP = (
@@ -47,3 +50,19 @@ def use_threads_unless_set(threads, name: str = "--threads") -> None:
         use_threads(threads, name)
     elif "OMP_NUM_THREADS" not in os.environ:
         use_threads(DEFAULT_THREADS)
+
+
+def announce_kernel_timing(device) -> None:
+    """Say, before the models load, that the first decoding on this machine (CPU model, torch
+    version, thread count) times its product kernels, which pauses it for seconds: after it the
+    record exists (spec_nmt/decoding/linears.py) and this says nothing."""
+    from spec_nmt.decoding import linears
+
+    if torch.device(device).type != "cpu" or not linears.packing_available():
+        return
+    if linears._machine() not in linears._recorded_choices():
+        logger.warning(
+            "first decoding on this machine: timing the CPU's matrix-product kernels for each "
+            "weight shape (about 8 s for the bundled pair), once; the choice is kept in %s",
+            linears.CHOICES_FILE,
+        )

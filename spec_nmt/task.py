@@ -40,7 +40,7 @@ from spec_nmt.loading import (
     read_checkpoint,
     with_mask,
 )
-from spec_nmt.runtime import THREADS_HELP, use_threads_unless_set
+from spec_nmt.runtime import THREADS_HELP, announce_kernel_timing, use_threads_unless_set
 from spec_nmt.settings import (
     DECODING_LOOPS,
     DEFAULTS,
@@ -246,6 +246,7 @@ class SpecTranslationTask(TranslationTask):
         tolerant_stdin()
         # (before the drafter loads: the product kernels are chosen per thread count)
         use_threads_unless_set(self.cfg.threads)
+        announce_kernel_timing(next(models[0].parameters()).device)
         drafter = load_drafter(self, self.cfg.drafter_path, models[0])
         # fairseq-generate/-interactive seed torch with --seed just before this call
         generator = self.speculative_generator(models[0], drafter, args, seed=torch.initial_seed())

@@ -40,7 +40,7 @@ from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER_PRECISION, load_drafter
 from spec_nmt.number_repair import ConstrainedRedecoder, repair
-from spec_nmt.runtime import DEFAULT_THREADS, use_threads
+from spec_nmt.runtime import DEFAULT_THREADS, announce_kernel_timing, use_threads
 from spec_nmt.settings import DEFAULTS, KEYWORDS, DecodingSettings, check_sampling_settings_used
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from spec_nmt.text import cut_to_limit, join_pieces, join_sentences, split_sentences
@@ -118,6 +118,7 @@ class SpecTranslator:
                     f"{path} is missing: a model directory holds verifier.pt, drafter.pt, "
                     "dict.*.txt and spm.model (scripts/export_model.py writes one)"
                 )
+        announce_kernel_timing(device)
         defaults = DEFAULTS.replace(**settings)
         cfg = SpecTranslationConfig(
             data=str(model_dir), source_lang=source_lang, target_lang=target_lang,
