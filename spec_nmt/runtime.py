@@ -15,6 +15,7 @@ left 2 threads no faster than 1 anywhere, so nothing sets it.
 
 import logging
 import os
+import sys
 
 import torch
 
@@ -55,10 +56,13 @@ def use_threads_unless_set(threads, name: str = "--threads") -> None:
 def announce_kernel_timing(device) -> None:
     """Say, before the models load, that the first decoding on this machine (CPU model, torch
     version, thread count) times its product kernels, which pauses it for seconds: after it the
-    record exists (spec_nmt/decoding/linears.py) and this says nothing."""
+    record exists (spec_nmt/decoding/linears.py) and this says nothing. Only to a person at a
+    terminal, who would wonder at the pause: logs and piped output stay as they were."""
     from spec_nmt.decoding import linears
 
-    if torch.device(device).type != "cpu" or not linears.packing_available():
+    if not sys.stderr.isatty() or torch.device(device).type != "cpu":
+        return
+    if not linears.packing_available():
         return
     if linears._machine() not in linears._recorded_choices():
         logger.warning(

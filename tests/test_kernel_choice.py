@@ -36,14 +36,19 @@ def test_the_mode_times_both_choices_apart_from_the_users_record(tmp_path):
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
-def test_the_first_decoding_on_a_machine_says_once_that_it_times_the_kernels(
+def test_the_first_decoding_on_a_machine_tells_a_terminal_once_that_it_times_kernels(
     monkeypatch, tmp_path, caplog
 ):
     monkeypatch.setattr(linears, "CHOICES_FILE", tmp_path / "kernels.json")  # none recorded
     monkeypatch.setattr(linears, "_timed_packed_from", lambda *shape: 16)  # (no timing here)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # (a person watching)
     for _ in range(2):
         with caplog.at_level("WARNING", logger="spec_nmt"):
             SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
+    monkeypatch.setattr(linears, "CHOICES_FILE", tmp_path / "other.json")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a log or a pipe: not told
+    with caplog.at_level("WARNING", logger="spec_nmt"):
+        SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
     said = [r.getMessage() for r in caplog.records if "timing the CPU's" in r.getMessage()]
     assert said == [
         "first decoding on this machine: timing the CPU's matrix-product kernels for each "
