@@ -1,7 +1,8 @@
 """The interfaces agree (issue 67, item 6): spec-nmt-translate takes the tree flags the API and
 the fairseq commands take, make translate passes the sampling variables on, a missing drafter
 says "no such file" as the fairseq path does, an unseeded sampling run says its seed, and
---stats does not name a precision for a drafter that never drafted."""
+--stats does not name a precision for a drafter that never drafted; and the README's --stats
+example is what the tool prints (item 7)."""
 
 import re
 import subprocess
@@ -70,3 +71,22 @@ def test_stats_say_no_drafts_instead_of_a_precision_when_nothing_drafted(capsys,
     for flags in (["--block-size", 0], []):  # no drafts at all; batches of 2 > --max-draft-batch
         _, err = run_main(capsys, "--input", path, "--stats", "--quiet", *flags)
         assert f"stats: drafter: {BUNDLED_MODEL_DIR / 'drafter.pt'} (no drafts)\n" in err
+
+
+def test_the_readmes_stats_example_is_what_the_tool_prints(capsys, tmp_path):
+    """Every line of the README's `make translate STATS=1` example, with its own numbers (speeds
+    differ between machines, the drafter's precision between CPUs)."""
+    readme = (REPO / "README.md").read_text()
+    sentence = re.search(r'echo "([^"]+)" \| make -s translate STATS=1', readme).group(1)
+    shown = readme.split("The last command shows")[1].split("```\n")[1].splitlines()
+    path = tmp_path / "in.de"
+    path.write_text(sentence + "\n")
+    out, err = run_main(capsys, "--input", path, "--stats")
+    printed = out + err.splitlines()
+    assert len(printed) == len(shown), printed
+    for example, line in zip(shown, printed):
+        example = example.replace("data/models/bench-de-en", str(BUNDLED_MODEL_DIR))
+        pieces = re.split(r"(?<![\w.])-?[0-9]+(?:\.[0-9]+)?", example)  # (any number there)
+        pattern = "-?[0-9]+(?:\\.[0-9]+)?".join(map(re.escape, pieces))
+        pattern = pattern.replace(r"\(fp32\)", r"\((fp32|bf16)\)")
+        assert re.fullmatch(pattern, line), (example, line)
