@@ -1,6 +1,7 @@
 """BENCHMARKS.md stays a page a newcomer can decide from: at most 400 lines, a summary first, every
 relative link in it reaching a file (and a heading, for a Markdown #anchor), and the README's,
-the model card's and the lab notes' links into it reaching a heading there."""
+the model card's and the lab notes' links into it reaching a heading there; and the model card
+pointing to no directory that a clone lacks."""
 
 import re
 
@@ -94,3 +95,11 @@ def test_the_anchor_rule_matches_the_pages_own_links():
     assert anchor("How the page's tables were read (its opening, as of `0b91ca4`)") == (
         "how-the-pages-tables-were-read-its-opening-as-of-0b91ca4"
     )
+
+
+def test_the_model_card_names_no_directory_that_a_clone_lacks():
+    """The training machine's own directories (its shared data, its runs) are named by
+    variables that the card explains (issue 67)."""
+    card = (BUNDLED_MODEL_DIR / "MODEL_CARD.md").read_text()
+    assert re.findall(r"\.\./(?:shared|runs)\b\S*", card) == []
+    assert "`RUNS` the scratch directory" in " ".join(card.split())
