@@ -94,8 +94,9 @@ def parse_args(argv=None):
             type=setting_type(name),
             choices={"verify": list(RULES), "decoding_loop": list(DECODING_LOOPS)}.get(name),
             default=None,
-            help=flag_help(name, with_default=name != "seed")
-            + ("; default: a fresh seed each run, printed on stderr, so runs differ" if name == "seed" else ""),
+            help=flag_help(name, with_default=name != "seed") + (
+                "; default: a fresh seed each run, printed on stderr, so runs differ"
+                if name == "seed" else ""),  # fmt: skip
         )
     parser.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE,

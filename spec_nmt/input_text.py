@@ -4,9 +4,10 @@ is not text refused, and each line that holds bytes its encoding cannot read nam
 Whether the input is text is judged on its first bytes. A NUL byte there is refused. Text whose
 bytes above ASCII are none of them UTF-8, and that reads as letters and punctuation in
 Windows-1252 (Latin-1 and the quotes „“ Windows adds), is German saved the old way: it is read
-so, with a warning, however short (a share of bad bytes would call a two-line file binary). Otherwise more than
-MAX_NON_UTF8_SHARE of characters that are not UTF-8 is refused; below it the input stays UTF-8
-(its umlauts would be garbled as Latin-1) and the lines with bad bytes are named.
+so, with a warning, however short (a share of bad bytes would call a two-line file binary).
+Otherwise more than MAX_NON_UTF8_SHARE of characters that are not UTF-8 is refused; below it the
+input stays UTF-8 (its umlauts would be garbled as Latin-1) and the lines with bad bytes are
+named.
 """
 
 import codecs

@@ -55,7 +55,8 @@ def test_latin1_bytes_inside_utf8_text_are_named_by_their_line(capsys, tmp_path)
 def test_after_a_few_bad_lines_one_warning_says_more_follow(capsys, tmp_path):
     path = tmp_path / "mixed.de"
     # (enough UTF-8 that the input is not refused as mostly not UTF-8)
-    path.write_bytes("Das Haus ist groß. ".encode() * 10 + b"\n" + "Grüße.\n".encode("latin-1") * 7)
+    utf8_line = "Das Haus ist groß. ".encode() * 10 + b"\n"
+    path.write_bytes(utf8_line + "Grüße.\n".encode("latin-1") * 7)
     out, err = run_main(capsys, "--input", path, "--quiet", "--block-size", 0)
     warnings = err.splitlines()
     assert len(out) == 8 and len(warnings) == 6

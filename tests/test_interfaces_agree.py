@@ -51,8 +51,7 @@ def test_a_missing_drafter_path_says_no_such_file(drafter):
         SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, drafter_path=drafter, device="cpu")
 
 
-def test_an_unseeded_sampling_run_prints_its_seed_and_that_seed_samples_the_same(capsys,
-                                                                                 tmp_path):  # fmt: skip
+def test_an_unseeded_sampling_run_prints_its_seed_and_that_seed_samples_the_same(capsys, tmp_path):
     path = tmp_path / "in.de"
     path.write_text("Guten Morgen, wie geht es Ihnen?\n" * 3)
     sampling = ["--input", path, "--verify", "sampling", "--block-size", 0, "--temperature", 1.5]
