@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test translate clean
+.PHONY: install test translate bleu clean
 
 MODEL_DIR ?= data/models/bench-de-en
 SPLIT ?= 1
@@ -68,6 +68,13 @@ else
 	  $(if $(filter-out 0 no false,$(STATS)),--stats) \
 	  --input $(if $(INPUT),'$(subst ','\'',$(INPUT))',-)
 endif
+
+# Score SRC (raw German) against REF (raw English) with MODEL_DIR, through the plugin and through
+# stock fairseq-generate --beam 1, which must agree (scripts/bleu.py says how); without SRC and
+# REF, newstest2014 as sacreBLEU downloads it. WORK_DIR keeps the data-bin and the outputs.
+bleu: $(STAMP)
+	@$(PY) scripts/bleu.py --model-dir '$(MODEL_DIR)' $(if $(SRC),--src '$(SRC)') \
+	  $(if $(REF),--ref '$(REF)') $(if $(WORK_DIR),--work-dir '$(WORK_DIR)')
 
 clean:
 	rm -rf $(VENV) *.egg-info
