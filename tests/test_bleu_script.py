@@ -1,7 +1,7 @@
 """make bleu / scripts/bleu.py (issue 67, item 2): a raw test set scored with a model directory
 through the plugin and through stock fairseq-generate --beam 1, the two scores printed with
 sacreBLEU's signature and required to agree; offline without a test set, one line that says how
-to give one."""
+to give one; and the README's fairseq-generate command runs as printed."""
 
 import os
 import subprocess
@@ -23,7 +23,7 @@ def bleu():
 
 
 @pytest.mark.skipif(not (BENCHMARK_SPLIT / "test.de").is_file(), reason="no offline test set")
-def test_make_bleu_scores_a_few_lines_alike_through_the_plugin_and_stock_fairseq(tmp_path):
+def test_make_bleu_scores_a_few_lines_alike_and_the_readmes_generate_command_runs(tmp_path):
     for language in ("de", "en"):
         lines = (BENCHMARK_SPLIT / f"test.{language}").read_text(encoding="utf-8").splitlines()
         (tmp_path / f"test.{language}").write_text("\n".join(lines[:4]) + "\n", encoding="utf-8")
@@ -42,9 +42,20 @@ def test_make_bleu_scores_a_few_lines_alike_through_the_plugin_and_stock_fairseq
     assert stock.startswith("stock fairseq-generate --beam 1: BLEU = ")
     assert plugin.split(": BLEU = ")[1] == stock.split(": BLEU = ")[1]
     assert plugin.endswith("| nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0")
-    work = tmp_path / "work"
-    assert (work / "bin" / "test.de-en.de.bin").is_file()  # kept for commands of one's own
     assert "BPE tokens" not in result.stdout
+    # the README's fairseq-generate command, as printed, on the data-bin kept in WORK_DIR
+    readme = (REPO / "README.md").read_text()
+    command = readme.split("# lossless: identical to")[1].split("\n", 1)[1].split("\n#")[0]
+    command = command.replace("\\\n", " ").replace("work/bin", str(tmp_path / "work" / "bin"))
+    generated = subprocess.run(
+        ["bash", "-c", "M=data/models/bench-de-en; " + command], cwd=REPO, capture_output=True,
+        text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+                                          PATH=f"{VENV / 'bin'}{os.pathsep}{os.environ['PATH']}"),
+    )  # fmt: skip
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    score = plugin.split(": ", 1)[1].split(" | ")[0]
+    assert f"Generate test with beam=1: {score}\n" in generated.stdout
+    assert "BPE tokens" not in generated.stdout + generated.stderr
 
 
 def test_offline_without_a_test_set_it_says_in_one_line_how_to_give_one(bleu, monkeypatch,
