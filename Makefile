@@ -18,8 +18,8 @@ SPLIT ?= 1
 SETTINGS = $(if $(BLOCK_SIZE),--block-size $(BLOCK_SIZE)) $(if $(BETA),--beta $(BETA)) $(if $(TAU),--tau $(TAU)) \
   $(if $(MAX_DRAFT_BATCH),--max-draft-batch $(MAX_DRAFT_BATCH)) \
   $(if $(VERIFY),--verify $(VERIFY)) $(if $(SEED),--seed $(SEED)) \
-  $(if $(TEMPERATURE),--temperature $(TEMPERATURE)) $(if $(SAMPLING_TOPK),--sampling-topk $(SAMPLING_TOPK)) \
-  $(if $(SAMPLING_TOPP),--sampling-topp $(SAMPLING_TOPP))
+  $(if $(TEMPERATURE),--temperature $(TEMPERATURE)) \
+  $(if $(SAMPLING_TOPK),--sampling-topk $(SAMPLING_TOPK)) $(if $(SAMPLING_TOPP),--sampling-topp $(SAMPLING_TOPP))
 # THREADS: torch's CPU threads (spec-nmt-translate --threads; default and why: spec_nmt/runtime.py)
 THREADS_OF = from spec_nmt.runtime import DEFAULT_THREADS; print(DEFAULT_THREADS)
 # fairseq-interactive gets the same output length limit as the API (fairseq's own is 0/200)

@@ -88,8 +88,8 @@ def translations(data_bin: Path, model_dir: Path, name: str, flags, work: Path, 
     with open(output, "w") as out, open(work / f"generate-{name}.log", "w") as log:
         result = subprocess.run(command, stdout=out, stderr=log, env=env)
     if result.returncode != 0:
-        raise Refused(f"fairseq-generate ({name}) failed: see {log.name}" if args.work_dir
-                      else f"fairseq-generate ({name}) failed; --work-dir DIR keeps its log")  # fmt: skip
+        where = f"see {log.name}" if args.work_dir else "--work-dir DIR keeps its log"
+        raise Refused(f"fairseq-generate ({name}) failed; {where}")
     by_id = {}
     for line in output.read_text(encoding="utf-8").splitlines():
         if line.startswith("D-"):

@@ -80,7 +80,8 @@ def test_scores_that_differ_fail(bleu, monkeypatch, capsys, tmp_path):
     outputs = {"plugin": ["Good morning.", "The house is big."],
                "stock": ["Good morning.", "The house is large."]}  # fmt: skip
     monkeypatch.setattr(bleu, "binarize", lambda *args: tmp_path / "bin")
-    monkeypatch.setattr(bleu, "translations", lambda data_bin, model_dir, name, *rest: outputs[name])
+    monkeypatch.setattr(bleu, "translations",
+                        lambda data_bin, model_dir, name, *rest: outputs[name])  # fmt: skip
     assert bleu.main(["--src", str(src), "--ref", str(ref)]) == 1
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2
