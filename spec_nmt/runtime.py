@@ -2,7 +2,8 @@
 process by ``spec-nmt-translate --threads``, ``SpecTranslator.from_pretrained(threads=...)`` and
 ``make translate THREADS=...``, and by the plugin's task when fairseq-generate or
 fairseq-interactive decode speculatively (``--threads``, or OMP_NUM_THREADS where the user set
-it). The default lives here and nowhere else.
+it). The default lives here and nowhere else. Here too: telling a person at a terminal that the
+first decoding on a machine pauses to time the product kernels, which depend on the threads.
 
 Why 1 by default (benchmarks/results/busy-machine-threads.json, 2 cores, batch 1): torch's own
 default, one thread per core, makes every operation wait for the thread whose core another
