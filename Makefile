@@ -8,15 +8,18 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test translate clean
+.PHONY: install test translate bleu clean
 
 MODEL_DIR ?= data/models/bench-de-en
 SPLIT ?= 1
-# BLOCK_SIZE, BETA, TAU, MAX_DRAFT_BATCH, VERIFY, SEED: decoding settings, passed on when set
-# (defaults: spec_nmt/settings.py)
+# BLOCK_SIZE, BETA, TAU, MAX_DRAFT_BATCH, VERIFY, SEED and the sampling rules' TEMPERATURE,
+# SAMPLING_TOPK, SAMPLING_TOPP: decoding settings, passed on when set (defaults:
+# spec_nmt/settings.py)
 SETTINGS = $(if $(BLOCK_SIZE),--block-size $(BLOCK_SIZE)) $(if $(BETA),--beta $(BETA)) $(if $(TAU),--tau $(TAU)) \
   $(if $(MAX_DRAFT_BATCH),--max-draft-batch $(MAX_DRAFT_BATCH)) \
-  $(if $(VERIFY),--verify $(VERIFY)) $(if $(SEED),--seed $(SEED))
+  $(if $(VERIFY),--verify $(VERIFY)) $(if $(SEED),--seed $(SEED)) \
+  $(if $(TEMPERATURE),--temperature $(TEMPERATURE)) \
+  $(if $(SAMPLING_TOPK),--sampling-topk $(SAMPLING_TOPK)) $(if $(SAMPLING_TOPP),--sampling-topp $(SAMPLING_TOPP))
 # DRAFTER: what drafts (twin, file, none; default auto: spec-nmt-translate --drafter)
 DRAFTER_FLAG = $(if $(DRAFTER),--drafter $(DRAFTER))
 # THREADS: torch's CPU threads (spec-nmt-translate --threads; default and why: spec_nmt/runtime.py)
@@ -67,6 +70,13 @@ else
 	  $(if $(filter-out 0 no false,$(STATS)),--stats) \
 	  --input $(if $(INPUT),'$(subst ','\'',$(INPUT))',-)
 endif
+
+# Score SRC (raw German) against REF (raw English) with MODEL_DIR, through the plugin and through
+# stock fairseq-generate --beam 1, which must agree (scripts/bleu.py says how); without SRC and
+# REF, newstest2014 as sacreBLEU downloads it. WORK_DIR keeps the data-bin and the outputs.
+bleu: $(STAMP)
+	@$(PY) scripts/bleu.py --model-dir '$(MODEL_DIR)' $(if $(SRC),--src '$(SRC)') \
+	  $(if $(REF),--ref '$(REF)') $(if $(WORK_DIR),--work-dir '$(WORK_DIR)')
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -27,10 +27,17 @@
 # refused while this one, or a training it left running, holds WORK_DIR/.campaign.lock.
 set -euo pipefail
 USAGE="usage: $0 DATA_BIN SPM_MODEL RAW_DIR WORK_DIR [fairseq-train flags]"
-DATA_BIN=${1:?$USAGE}
-SPM_MODEL=${2:?$USAGE}
-RAW_DIR=${3:?$USAGE}
-WORK=${4:?$USAGE}
+case "${1:-}" in
+  -h|--help) echo "$USAGE"; exit 0 ;;
+esac
+if (( $# < 4 )); then
+  echo "$USAGE" >&2
+  exit 2
+fi
+DATA_BIN=$1
+SPM_MODEL=$2
+RAW_DIR=$3
+WORK=$4
 EXTRA=("${@:5}")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 PATIENCE=${PATIENCE:-3}

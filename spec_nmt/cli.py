@@ -12,12 +12,12 @@ at the end (--stats: also whether drafting ran and how much it earned). At a ter
 line is translated as soon as it is typed (Ctrl-D ends). Input that is not text (NUL bytes, or
 mostly bytes that are not UTF-8: a binary or compressed file) is refused. Input is UTF-8; input
 that is not, but reads as Latin-1 (Windows-1252), is read so with a warning (--encoding says
-which it is).
+which it is); a line with bytes its encoding cannot read is named in a warning.
 
 A sentence whose translation lost one of its numbers is repaired (--no-number-repair: not).
 
 --verify sampling or rsd samples translations (--temperature, --sampling-topk, --sampling-topp),
-from a fresh seed each run unless --seed gives one.
+from a fresh seed each run, printed on stderr, unless --seed gives one.
 """
 
 import argparse
@@ -27,7 +27,9 @@ import itertools
 import logging
 import os
 import sys
+import secrets
 import time
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator, List, Optional, TextIO
 
@@ -38,6 +40,7 @@ from spec_nmt.decoding.drafter import drafter_for_rule
 from spec_nmt.decoding.loop import DecodingStats
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
+from spec_nmt.input_text import buffers, decoded_lines, input_name, open_input
 from spec_nmt.loading import (
     DEFAULT_DRAFTER,
     DEFAULT_DRAFTER_PRECISION,
@@ -55,7 +58,6 @@ from spec_nmt.settings import (
     check_sampling_settings_used,
     flag_help,
 )
-from spec_nmt.text import tolerant_stdin
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
 # The progress bar shows once decoding has run this long (seconds): quick runs stay quiet, and
@@ -63,16 +65,9 @@ from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 PROGRESS_DELAY_S = 1.0
 DEFAULT_BUFFER_SIZE = 1000
 # The decoding settings spec-nmt-translate takes as flags, with DecodingSettings' help texts.
-SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "draft_stop", "max_draft_batch",
-                 "decoding_loop", "temperature", "sampling_topk", "sampling_topp",
-                 "seed")  # fmt: skip
-# Whether the input is text is judged on its first bytes: a NUL byte there, or more than this
-# share of its characters not UTF-8, and it is refused. German text in Latin-1 (its umlauts
-# are the only bytes that are not UTF-8) stays below it; if none of its bytes above ASCII are
-# UTF-8, it is read as Windows-1252 (Latin-1 and the quotes „“ Windows adds), with a warning.
-TEXT_CHECK_BYTES = 8192
-MAX_NON_UTF8_SHARE = 0.1
-LATIN1 = "cp1252"
+SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
+                 "draft_stop", "max_draft_batch", "decoding_loop", "temperature",
+                 "sampling_topk", "sampling_topp", "seed")  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -103,11 +98,12 @@ def parse_args(argv=None):
         default = getattr(DEFAULTS, name)
         parser.add_argument(
             f"--{name.replace('_', '-')}",
-            type=int if default is None else type(default),
+            type=setting_type(name),
             choices={"verify": list(RULES), "decoding_loop": list(DECODING_LOOPS)}.get(name),
             default=None,
-            help=flag_help(name, with_default=name != "seed")
-            + ("; default: a fresh seed each run, so runs differ" if name == "seed" else ""),
+            help=flag_help(name, with_default=name != "seed") + (
+                "; default: a fresh seed each run, printed on stderr, so runs differ"
+                if name == "seed" else ""),  # fmt: skip
         )
     parser.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
@@ -175,68 +171,15 @@ def parse_args(argv=None):
     return args
 
 
+def setting_type(name: str) -> type:
+    """The type of a decoding setting, as its flag parses it (Optional[int] is int)."""
+    kind = next(setting.type for setting in fields(DecodingSettings) if setting.name == name)
+    return typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
+
+
 def given_settings(args) -> dict:
     """The decoding settings given as flags."""
     return {name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None}
-
-
-def open_input(path: str, encoding: Optional[str] = None) -> TextIO:
-    """The input as text lines: undecodable bytes become U+FFFD and only a newline ends a line,
-    so N lines in always means N lines out. Without an ``encoding``, input that is not text is
-    refused and German that is not UTF-8 but Latin-1 is read as such, with a warning."""
-    name = "stdin" if path == "-" else path
-    if path == "-":
-        # (typed lines are text; peeking would wait for them)
-        if encoding is None and not sys.stdin.isatty():
-            encoding = input_encoding(sys.stdin.buffer.peek(TEXT_CHECK_BYTES)[:TEXT_CHECK_BYTES],
-                                      name)  # fmt: skip
-        tolerant_stdin(encoding)
-        return sys.stdin
-    try:
-        if encoding is None:
-            with open(path, "rb") as raw:
-                encoding = input_encoding(raw.read(TEXT_CHECK_BYTES), name)
-        return open(path, encoding=encoding, errors="replace", newline="\n")
-    except OSError as error:
-        raise SpecNmtError(f"--input {path}: {error.strerror}") from error
-
-
-def input_encoding(head: bytes, name: str) -> str:
-    """UTF-8, or Latin-1 (as Windows-1252) when the input's first bytes above ASCII are none of
-    them UTF-8 (with a warning); input that is not text is refused. UTF-8 text with a few bad
-    bytes stays UTF-8: its umlauts would be garbled as Latin-1."""
-    refuse_non_text(head, name)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    text = decoder.decode(head, final=False)  # (a character cut at the end is no error)
-    if "\ufffd" not in text or any(ord(ch) > 127 and ch != "\ufffd" for ch in text):
-        return "utf-8"
-    print(f"spec-nmt-translate warning: {name} is not UTF-8; reading it as Latin-1 "
-          "(Windows-1252); --encoding ENCODING names its encoding", file=sys.stderr)  # fmt: skip
-    return LATIN1
-
-
-def refuse_non_text(head: bytes, name: str) -> None:
-    """A one-line error for input whose first bytes are not text."""
-    if b"\0" in head:
-        problem = "holds NUL bytes"
-    else:
-        text = head.decode("utf-8", errors="replace")
-        if text.count("\ufffd") <= MAX_NON_UTF8_SHARE * len(text):
-            return
-        problem = "is mostly not UTF-8"
-    raise SpecNmtError(
-        f"{name} {problem}: it is not text (a binary or compressed file?); give German text, "
-        "one sentence or paragraph per line, in UTF-8"
-    )
-
-
-def buffers(stream: TextIO, size: int) -> Iterator[List[str]]:
-    """Lists of at most ``size`` lines (without their newlines), as they are read."""
-    while True:
-        buffer = [line.rstrip("\n") for line in itertools.islice(stream, size)]
-        if not buffer:
-            return
-        yield buffer
 
 
 def counted(n: int, noun: str) -> str:
@@ -284,7 +227,7 @@ def decoder(translator: SpecTranslator) -> Callable[..., List[str]]:
 
 def translate_stream(translator, stream: TextIO, args, totals: Totals) -> None:
     """Translate buffer by buffer, writing each buffer's lines as soon as they are done."""
-    chunks = buffers(stream, args.buffer_size)
+    chunks = buffers(decoded_lines(stream, input_name(args.input)), args.buffer_size)
     first = next(chunks, [])
     # A first buffer that is not full is the whole input; a file's lines can be counted; piped
     # input longer than a buffer has no known length.
@@ -318,9 +261,9 @@ def translate_typed_lines(translator, args, totals: Totals) -> None:
         print("spec-nmt-translate: type German text, one line at a time; Ctrl-D ends",
               file=sys.stderr, flush=True)  # fmt: skip
     decode = decoder(translator)
-    for line in sys.stdin:
+    for line in decoded_lines(sys.stdin, "stdin"):
         with totals.timed():
-            translation = decode(line.rstrip("\n"), split_sentences=not args.no_split_sentences,
+            translation = decode(line, split_sentences=not args.no_split_sentences,
                                  keep_numbers=not args.no_number_repair)  # fmt: skip
         print(translation, flush=True)
         totals.add(translator, 1)
@@ -369,7 +312,7 @@ def report(translator, totals: Totals, args) -> None:
         f"{stats.mean_accepted_per_iteration:.2f} accepted drafts per iteration "
         f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted in "
         f"{stats.iterations} iterations)",
-        f"drafter: {drafter_used(translator)}",
+        f"drafter: {drafter_used(translator, stats)}",
         f"{speed}, {counted(torch.get_num_threads(), 'CPU thread')}",
         f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
         "log-probability per output token, EOS included, in nats)",
@@ -378,10 +321,12 @@ def report(translator, totals: Totals, args) -> None:
         print(f"spec-nmt-translate stats: {line}", file=sys.stderr)
 
 
-def drafter_used(translator) -> str:
+def drafter_used(translator, stats: DecodingStats) -> str:
     """What drafted for the translator's rule: the twin, the drafter file (with its
-    precision) or nothing."""
+    precision), or that nothing drafted."""
     drafter = drafter_for_rule(translator.drafter, translator.settings)
+    if not stats.drafted_tokens:
+        return f"{translator.drafter_path or 'none'} (no drafts)"
     if getattr(drafter, "description", None):
         return drafter.description
     if drafter.precision == "none":
@@ -416,6 +361,12 @@ def main(argv=None):
 
 def run(args) -> None:
     settings = given_settings(args)
+    if RULES[settings.get("verify", DEFAULTS.verify)].sampled_drafts and args.seed is None:
+        # one seed for the whole run, so that --seed gives its samples again
+        settings["seed"] = secrets.randbits(63)
+        if args.stats or not args.quiet:
+            print(f"spec-nmt-translate: sampling with seed {settings['seed']}, drawn for this "
+                  f"run (--seed {settings['seed']} samples the same again)", file=sys.stderr)
     # (before the models load: a wrong input fails at once)
     stream = open_input(args.input, args.encoding)
     translator = SpecTranslator.from_pretrained(

@@ -106,8 +106,10 @@ def filter_pair_lengths(src_path, tgt_path, max_len, max_ratio):
 
 
 def run_fairseq_preprocess(src, tgt, destdir, trainpref=None, validpref=None, testpref=None,
-                           srcdict=None, workers=None):
-    """fairseq-preprocess with a joined dictionary (or the given one, e.g. for distilled data)."""
+                           srcdict=None, workers=None, tgtdict=None, output=None):
+    """fairseq-preprocess with a joined dictionary (or the given one, e.g. for distilled data;
+    with ``tgtdict`` too, each side's own: a model directory's dict.de.txt and dict.en.txt).
+    ``output``: a file for its log instead of this process's stdout and stderr."""
     args = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src,
             "--target-lang", tgt, "--destdir", str(destdir),
             "--workers", str(workers or os.cpu_count() or 1)]
@@ -115,11 +117,14 @@ def run_fairseq_preprocess(src, tgt, destdir, trainpref=None, validpref=None, te
                        ("--testpref", testpref)):
         if pref is not None:
             args += [flag, str(pref)]
-    args.append("--joined-dictionary")
+    if tgtdict is None:
+        args.append("--joined-dictionary")
+    else:
+        args += ["--tgtdict", str(tgtdict)]
     if srcdict is not None:
         args += ["--srcdict", str(srcdict)]
     logger.info("running %s", " ".join(args))
-    subprocess.run(args, check=True)
+    subprocess.run(args, check=True, stdout=output, stderr=output)
 
 
 def translate_subset(data_bin, checkpoint, subset, beam, max_tokens, languages=("de", "en"),

@@ -43,6 +43,7 @@ from spec_nmt.loading import (
     read_checkpoint,
     with_mask,
 )
+from spec_nmt.runtime import THREADS_HELP, announce_kernel_timing, use_threads_unless_set
 from spec_nmt.settings import (
     DECODING_LOOPS,
     DEFAULTS,
@@ -99,6 +100,13 @@ class SpecTranslationBaseConfig(TranslationConfig):
             "help": "with --eval-acceptance-verifier: decode only the validation sentences of id "
             "below N (the first N lines of the validation set; 0: every sentence). Each "
             "validation then decodes N sentences once per measured rule instead of the whole set"
+        },
+    )
+    threads: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": f"with --drafter-path: {THREADS_HELP}, as in spec-nmt-translate; where "
+            "OMP_NUM_THREADS is set and --threads is not, torch keeps the count it set"
         },
     )
 
@@ -242,6 +250,9 @@ class SpecTranslationTask(TranslationTask):
         # default --beam 5 says; fairseq-generate prints this value ("Generate test with beam=").
         args.beam = 1
         tolerant_stdin()
+        # (before the drafter loads: the product kernels are chosen per thread count)
+        use_threads_unless_set(self.cfg.threads)
+        announce_kernel_timing(next(models[0].parameters()).device)
         drafter = load_decoding_drafter(self, self.cfg.drafter, self.cfg.drafter_path,
                                         models[0])  # fmt: skip
         # fairseq-generate/-interactive seed torch with --seed just before this call

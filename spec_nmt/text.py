@@ -66,26 +66,28 @@ def join_sentences(translations: List[str]) -> str:
     return " ".join(t for t in translations if t)
 
 
-def cut_to_limit(line_tokens: torch.Tensor, limit: int) -> torch.Tensor:
+def cut_to_limit(line_tokens: torch.Tensor, limit: int, warn: bool = True) -> torch.Tensor:
     """A source line's token ids (EOS last) as the models can take them: a line of more than
-    ``limit`` keeps its first ``limit - 1`` tokens and its EOS, with a warning."""
+    ``limit`` keeps its first ``limit - 1`` tokens and its EOS, with a warning unless not
+    ``warn`` (a line encoded again, whose cut was reported the first time)."""
     if line_tokens.numel() <= limit:
         return line_tokens
-    logger.warning(
-        "input line of %d tokens is longer than the models accept; translating its first %d "
-        "tokens", line_tokens.numel() - 1, limit - 1,
-    )  # fmt: skip
+    if warn:
+        logger.warning(
+            "input line of %d tokens is longer than the models accept; translating its first "
+            "%d tokens", line_tokens.numel() - 1, limit - 1,
+        )  # fmt: skip
     return torch.cat([line_tokens[: limit - 1], line_tokens[-1:]])
 
 
-def tolerant_stdin(encoding: Optional[str] = None) -> None:
+def tolerant_stdin(encoding: Optional[str] = None, errors: str = "replace") -> None:
     """fairseq-interactive reads stdin with Python's defaults, so an invalid UTF-8 byte kills it
     and a lone carriage return splits a line in two. Before anything is read, make bad bytes
-    U+FFFD and only newlines end lines, so N input lines always give N outputs (and read
-    ``encoding`` when given)."""
+    U+FFFD (or what the codec error handler ``errors`` makes them) and only newlines end lines,
+    so N input lines always give N outputs (and read ``encoding`` when given)."""
     if isinstance(sys.stdin, io.TextIOWrapper):
         try:
-            sys.stdin.reconfigure(errors="replace", newline="\n",
+            sys.stdin.reconfigure(errors=errors, newline="\n",
                                   **({"encoding": encoding} if encoding else {}))  # fmt: skip
         except (OSError, ValueError):  # already read from (e.g. the API in a REPL): leave it
             pass

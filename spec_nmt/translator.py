@@ -40,7 +40,7 @@ from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER, DEFAULT_DRAFTER_PRECISION, load_decoding_drafter
 from spec_nmt.number_repair import ConstrainedRedecoder, repair
-from spec_nmt.runtime import DEFAULT_THREADS, use_threads
+from spec_nmt.runtime import DEFAULT_THREADS, announce_kernel_timing, use_threads
 from spec_nmt.settings import DEFAULTS, KEYWORDS, DecodingSettings, check_sampling_settings_used
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from spec_nmt.text import cut_to_limit, join_pieces, join_sentences, split_sentences
@@ -112,6 +112,8 @@ class SpecTranslator:
         model_dir = Path(model_dir)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         given = drafter_path is not None
+        if given and not Path(drafter_path).is_file():
+            raise SpecNmtError(f"drafter {drafter_path}: no such file")
         drafter_path = Path(drafter_path) if given else device_drafter(model_dir, device)
         needed = ["verifier.pt", f"dict.{source_lang}.txt", f"dict.{target_lang}.txt", "spm.model"]
         needed = [model_dir / name for name in needed]
@@ -125,6 +127,7 @@ class SpecTranslator:
                     f"{path} is missing: a model directory holds verifier.pt, drafter.pt, "
                     "dict.*.txt and spm.model (scripts/export_model.py writes one)"
                 )
+        announce_kernel_timing(device)
         defaults = DEFAULTS.replace(**settings)
         cfg = SpecTranslationConfig(
             data=str(model_dir), source_lang=source_lang, target_lang=target_lang,
@@ -211,14 +214,14 @@ class SpecTranslator:
         generator = self.generator(verify=verify, **settings)
         return self._decode(generator, lines, batch_size, split_sentences, progress, keep_numbers)
 
-    def encode(self, lines: Sequence[str]) -> List[torch.Tensor]:
+    def encode(self, lines: Sequence[str], warn: bool = True) -> List[torch.Tensor]:
         """Source token ids per line; a line longer than the models accept keeps its first
-        tokens (with a warning)."""
+        tokens (with a warning unless not ``warn``)."""
         tokens = []
         for line in lines:
             pieces = " ".join(self.spm.encode(_clean(line), out_type=str))
             ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=True).long()
-            tokens.append(cut_to_limit(ids, self.max_source_tokens))
+            tokens.append(cut_to_limit(ids, self.max_source_tokens, warn))
         return tokens
 
     def encode_target(self, text: str) -> torch.Tensor:
@@ -246,7 +249,9 @@ class SpecTranslator:
     def number_repair(self, settings: DecodingSettings) -> Callable[[str, str], str]:
         """(source sentence, its translation) → the translation with its lost numbers put back,
         re-decoding with the verifier and these settings' length limits where it must."""
-        redecode = ConstrainedRedecoder(self.verifier, self.tgt_dict, settings, self.encode,
+        # (a sentence decoded again was encoded, and its cut reported, once already)
+        encode_again = functools.partial(self.encode, warn=False)
+        redecode = ConstrainedRedecoder(self.verifier, self.tgt_dict, settings, encode_again,
                                         self.encode_target, self.decode, self.batches)  # fmt: skip
         return functools.partial(repair, redecode=redecode)
 

@@ -1,6 +1,7 @@
 """BENCHMARKS.md stays a page a newcomer can decide from: at most 400 lines, a summary first, every
 relative link in it reaching a file (and a heading, for a Markdown #anchor), and the README's,
-the model card's and the lab notes' links into it reaching a heading there."""
+the model card's and the lab notes' links into it reaching a heading there; and the model card
+pointing to no directory that a clone lacks."""
 
 import re
 
@@ -94,3 +95,29 @@ def test_the_anchor_rule_matches_the_pages_own_links():
     assert anchor("How the page's tables were read (its opening, as of `0b91ca4`)") == (
         "how-the-pages-tables-were-read-its-opening-as-of-0b91ca4"
     )
+
+
+def test_the_model_card_names_no_directory_that_a_clone_lacks():
+    """The training machine's own directories (its shared data, its runs) are named by
+    variables that the card explains (issue 67)."""
+    card = (BUNDLED_MODEL_DIR / "MODEL_CARD.md").read_text()
+    assert re.findall(r"\.\./(?:shared|runs)\b\S*", card) == []
+    assert "`RUNS` the scratch directory" in " ".join(card.split())
+
+
+def test_the_readme_gives_the_relaxed_rules_figures_as_the_page_has_them():
+    """The README offered the relaxed rule as faster than lossless, which the page's figures
+    for the bundled pair deny: its "Which mode" row gives them (issue 67)."""
+    page = PAGE.read_text()
+    relaxed = re.search(r"^\| top-β/τ, k = 5, β = 3, τ = 1 \| ([0-9.]+) \| ([0-9.]+) \| "
+                        r"([0-9.]+) \|", page, re.M).groups()  # fmt: skip
+    defaults = re.search(r"^\| \*\*defaults\*\* .*?\| \*\*([0-9.]+)\*\* \| \*\*([0-9.]+)\*\* "
+                         r"\(.*?\| \*\*([0-9.]+)\*\* \(", page, re.M).groups()  # fmt: skip
+    readme = (REPO / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if "`--block-size 5 --beta 3 --tau 1.0`" in line
+               and line.startswith("|"))  # fmt: skip
+    assert "**not faster**" in row and "faster than lossless" not in readme
+    assert f"{relaxed[1]}× fairseq greedy against {defaults[1]}× at batch 1" in row
+    assert f"{relaxed[2]}× against {defaults[2]}× in batches of 64" in row
+    lost = float(defaults[0]) - float(relaxed[0])
+    assert f"{lost:.2f} BLEU lower" in row

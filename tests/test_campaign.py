@@ -179,3 +179,16 @@ def test_a_second_campaign_is_refused_while_a_step_of_a_killed_one_still_runs(tm
     third.send_signal(signal.SIGTERM)
     finish(third, 30)
     assert stopped(tmp_path)
+
+
+def test_help_prints_a_clean_usage_line_and_missing_arguments_exit_2(tmp_path):
+    def run(*args):
+        return subprocess.run(["scripts/campaign.sh", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+
+    usage = "usage: scripts/campaign.sh DATA_BIN SPM_MODEL RAW_DIR WORK_DIR [fairseq-train flags]"
+    for flag in ("--help", "-h"):
+        helped = run(flag)
+        assert (helped.returncode, helped.stdout, helped.stderr) == (0, usage + "\n", "")
+    short = run(str(tmp_path), str(tmp_path))
+    assert (short.returncode, short.stdout, short.stderr) == (2, "", usage + "\n")

@@ -162,3 +162,15 @@ def test_the_flag_says_what_it_does_and_what_lossless_means(capsys):
     assert "lost one of its source's numbers" in help_text
     assert "Lossless output (the verifier's greedy translation)" in help_text
     assert "before that repair" in help_text
+
+
+def test_a_cut_line_decoded_again_by_the_repair_is_reported_once(translator, caplog,
+                                                                  monkeypatch):  # fmt: skip
+    """A line over the models' length whose number fell past the cut is decoded again with it
+    as a constraint: its cut is still one warning."""
+    monkeypatch.setattr(translator, "max_source_tokens", 12)
+    line = "Das Haus ist sehr groß und sehr alt, es wurde im Jahr 1933 gebaut."
+    with caplog.at_level("WARNING", logger="spec_nmt"):
+        translator.translate(line, split_sentences=False, block_size=0)
+    cuts = [r for r in caplog.records if "longer than the models accept" in r.getMessage()]
+    assert len(cuts) == 1

@@ -1,17 +1,21 @@
-"""torch's CPU threads (issue 58): spec-nmt-translate --threads, from_pretrained(threads=) and
-make translate THREADS= reach torch, the default is spec_nmt.runtime's and --help says why, and
-a count below 1 is a one-line error naming what the caller wrote."""
+"""torch's CPU threads (issues 58, 67): spec-nmt-translate --threads, from_pretrained(threads=),
+make translate THREADS= and the task's --threads (fairseq-generate/-interactive) reach torch,
+the default is spec_nmt.runtime's and --help says why, and a count below 1 is a one-line error
+naming what the caller wrote."""
 
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
+from fairseq import checkpoint_utils
 
 from spec_nmt import cli as translate_cli
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.runtime import DEFAULT_THREADS
+from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from spec_nmt.translator import SpecTranslator
 from tests.conftest import BIN, BUNDLED_MODEL_DIR, REPO
 
@@ -94,3 +98,47 @@ def test_make_translate_passes_threads_on():
         cwd=REPO, capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
     assert "OMP_NUM_THREADS=3 " in commands  # fairseq-interactive reads it when OpenMP loads
+
+
+@pytest.fixture(scope="module")
+def bundled_task_and_verifier():
+    """The plugin's task over the bundled pair, as fairseq-interactive sets it up."""
+    cfg = SpecTranslationConfig(data=str(BUNDLED_MODEL_DIR), source_lang="de", target_lang="en",
+                                drafter_path=str(BUNDLED_MODEL_DIR / "drafter.pt"))  # fmt: skip
+    task = SpecTranslationTask.setup_task(cfg)
+    models, _ = checkpoint_utils.load_model_ensemble([str(BUNDLED_MODEL_DIR / "verifier.pt")],
+                                                     task=task)  # fmt: skip
+    return task, models
+
+
+@pytest.mark.parametrize(
+    "omp_num_threads, flag, expected",
+    [(None, None, DEFAULT_THREADS), ("3", None, 3), (None, 2, 2), ("3", 2, 2)],
+)
+def test_the_fairseq_commands_get_the_default_unless_omp_num_threads_or_the_flag_says(
+    bundled_task_and_verifier, monkeypatch, omp_num_threads, flag, expected
+):
+    task, models = bundled_task_and_verifier
+    if omp_num_threads is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp_num_threads)
+    monkeypatch.setattr(task.cfg, "threads", flag)
+    torch.set_num_threads(3)  # (as torch starts: OMP_NUM_THREADS, else one per core)
+    with mock.patch("atexit.register"):
+        task.build_generator(models, SpecTranslationConfig())
+    assert torch.get_num_threads() == expected
+
+
+def test_the_tasks_threads_flag_says_its_default_and_omp_num_threads():
+    text = SpecTranslationConfig.__dataclass_fields__["threads"].metadata["help"]
+    assert "beside other busy processes" in text and "The default, 1," in text
+    assert "OMP_NUM_THREADS" in text
+
+
+def test_the_readmes_fairseq_section_says_which_threads_the_task_gives():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### fairseq-generate and fairseq-interactive")[1].split("\n### ")[0]
+    text = " ".join(section.split())
+    assert "the plugin's task gives torch the same default as `spec-nmt-translate`" in text
+    assert "`OMP_NUM_THREADS` is set and `--threads` is not" in text
