@@ -136,8 +136,8 @@ class DecodingSettings:
     max_draft_batch: Optional[int] = field(default=None, metadata={"help": (
         "the most sentences a batch may have and still draft; larger batches decode with the "
         "verifier alone (0: draft in every batch; default: for the lossless rule and the "
-        "sampling rules 1 with a drafter file and TWIN_DRAFT_BATCH with the twin, no limit for "
-        "a relaxed --beta/--tau)")})
+        "sampling rules 1 with a drafter file and 4 with the twin, where each measured "
+        "fastest, no limit for a relaxed --beta/--tau)")})
     # The static loop (decoding/static_loop.py) removes the host's waits and, on CUDA, replays
     # each iteration as one captured graph; it serves top_beta chains with the cached drafter
     # (its CTC form too), the feature drafter or none, and every other batch decodes on the

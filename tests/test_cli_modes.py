@@ -44,7 +44,7 @@ def translator():
 
 
 def test_stats_say_that_a_batch_did_not_draft_and_why():
-    result = cli("--stats", stdin="\n".join(LINES) + "\n")
+    result = cli("--stats", "--drafter", "file", stdin="\n".join(LINES) + "\n")
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == len(LINES)
     off = "drafting off: every batch had more than 1 sentence (--max-draft-batch 1)"
@@ -58,7 +58,11 @@ def test_stats_of_a_drafting_run_count_the_accepted_drafts(capsys, tmp_path):
     path = tmp_path / "in.de"
     path.write_text("\n".join(LINES) + "\n")
     out, err = run_main(capsys, "--input", path, "--batch-size", 1, "--stats")
-    assert len(out) == len(LINES)
+    assert len(out) == len(LINES)  # (auto: the twin drafts the lossless rule on a CPU)
+    assert "drafting on: --verify top_beta, whole continuations (--drafter twin)" in err
+    assert "stats: drafter: the verifier's CTranslate2 int8 twin (--drafter twin)" in err
+    out, err = run_main(capsys, "--input", path, "--batch-size", 1, "--stats", "--drafter",
+                        "file")  # fmt: skip
     assert "drafting on: --verify top_beta, --block-size 3" in err
     # the precision it drafted in (--drafter-precision auto: bf16 on a CPU with native bf16)
     precision = "bf16" if loading.native_bf16() else "fp32"

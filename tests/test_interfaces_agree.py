@@ -67,7 +67,8 @@ def test_an_unseeded_sampling_run_prints_its_seed_and_that_seed_samples_the_same
 def test_stats_say_no_drafts_instead_of_a_precision_when_nothing_drafted(capsys, tmp_path):
     path = tmp_path / "in.de"
     path.write_text("Guten Morgen.\nDas Haus ist groß.\n")
-    for flags in (["--block-size", 0], []):  # no drafts at all; batches of 2 > --max-draft-batch
+    # no drafts at all; batches of 2 > --max-draft-batch 1
+    for flags in (["--block-size", 0], ["--max-draft-batch", 1]):
         _, err = run_main(capsys, "--input", path, "--stats", "--quiet", *flags)
         assert f"stats: drafter: {BUNDLED_MODEL_DIR / 'drafter.pt'} (no drafts)\n" in err
 

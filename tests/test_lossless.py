@@ -315,12 +315,13 @@ def test_draft_tree_flags_decode_like_stock_greedy_through_fairseq_generate(toy,
 
 
 def task_generator(task, models, drafter):
-    """The generator the task builds for fairseq-generate, with ``drafter``."""
-    task.cfg.drafter_path = str(drafter)
+    """The generator the task builds for fairseq-generate, with the drafter file ``drafter``
+    (--drafter file)."""
+    task.cfg.drafter_path, task.cfg.drafter = str(drafter), "file"
     try:
         return task.build_generator(models, SpecTranslationConfig())
     finally:
-        task.cfg.drafter_path = None
+        task.cfg.drafter_path, task.cfg.drafter = None, "auto"
 
 
 @torch.no_grad()

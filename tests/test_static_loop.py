@@ -26,8 +26,9 @@ EMPTY = 5  # the empty line's index
 
 @pytest.fixture(scope="module")
 def pair():
-    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", max_len_a=0,
-                                          max_len_b=MAX_LEN_B, decoding_loop="static")  # fmt: skip
+    return SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter="file",
+                                          max_len_a=0, max_len_b=MAX_LEN_B,
+                                          decoding_loop="static")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +114,8 @@ def test_static_and_dynamic_loops_draft_and_accept_alike(sources):
     """The same drafts accepted per sentence at batch 1, also under a relaxed rule, whose
     translations the drafts decide (the drafter in fp32: bf16 rounds by kernel shape, and the
     loops' blocks differ in shape)."""
-    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", max_len_a=0,
-                                          max_len_b=MAX_LEN_B,
+    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter="file",
+                                          max_len_a=0, max_len_b=MAX_LEN_B,
                                           drafter_precision="fp32")  # fmt: skip
     for settings in ({"block_size": 5}, {"block_size": 5, "beta": 3, "tau": 1.0}):
         loops = {loop: pair.generator(decoding_loop=loop, max_draft_batch=0, **settings)
@@ -165,7 +166,7 @@ def test_the_default_loop_is_static_on_a_gpu_and_dynamic_on_the_cpu(sources):
     assert StaticLoop.may_serve(DEFAULTS.replace(decoding_loop="static"), torch.device("cpu"))
     assert not StaticLoop.may_serve(DEFAULTS.replace(decoding_loop="dynamic"),
                                     torch.device("cuda"))  # fmt: skip
-    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
+    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter="file")
     generator = pair.generator(max_draft_batch=0)
     assert generator.static is None and not generator.on_static_loop
     with torch.inference_mode():
@@ -177,7 +178,8 @@ def test_the_default_loop_is_static_on_a_gpu_and_dynamic_on_the_cpu(sources):
 def test_a_translators_calls_share_one_static_loop_while_the_weights_stay():
     """A translator makes a generator per call; their static loop (and on CUDA its captured
     graphs) is made once per verifier and settings, and again once a verifier weight changed."""
-    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", decoding_loop="static")
+    pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter="file",
+                                          decoding_loop="static")
     first, again = pair.generator(block_size=3), pair.generator(block_size=3)
     assert first.static is again.static
     assert pair.generator(block_size=5).static is not first.static

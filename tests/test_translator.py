@@ -156,8 +156,9 @@ def test_drafter_precision_auto_is_bf16_where_the_cpu_multiplies_bf16(monkeypatc
     products, else in fp32; the verifier and the drafter's encoder copy stay fp32, so lossless
     output does not change, and --stats' precision says which ran."""
     monkeypatch.setattr(loading, "native_bf16", lambda: native)
-    auto = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu")
-    fp32 = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter_precision="fp32")
+    auto = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter="file")
+    fp32 = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter="file",
+                                          drafter_precision="fp32")  # fmt: skip
     wanted = torch.bfloat16 if native else torch.float32
     assert {p.dtype for p in auto.drafter.model.decoder.parameters()} == {wanted}
     assert {p.dtype for p in auto.drafter.model.encoder.parameters()} == {torch.float32}

@@ -52,6 +52,15 @@ NEVER = 1 << 62  # the packed-from row count of a shape whose packed product nev
 CHOICES_FILE = CACHE_DIR / "product-kernels.json"
 
 
+def packed_dtypes() -> Tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs here: bf16 only where the CPU has the instructions its
+    bf16 path needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere bf16 layers run as they
+    are."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return PACKED_DTYPES
+    return tuple(dtype for dtype in PACKED_DTYPES if dtype != torch.bfloat16)
+
+
 def packing_available() -> bool:
     """Whether this torch can run oneDNN products on prepacked weights."""
     ops = torch.ops.mkldnn
@@ -86,7 +95,7 @@ class PackedLinears:
             return
         for layer in module.modules():
             weight = getattr(layer, "weight", None)
-            if (type(layer) is nn.Linear and weight.dtype in PACKED_DTYPES
+            if (type(layer) is nn.Linear and weight.dtype in packed_dtypes()
                     and weight.device.type == "cpu"):  # fmt: skip
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_ROWS)
                 self.weights[layer] = Packed(packed, weight.data_ptr(), weight._version)

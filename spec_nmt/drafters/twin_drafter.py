@@ -95,7 +95,8 @@ def _converter(model, source_dictionary, target_dictionary):
 
     class VerifierConverter(Converter):
         def _load(self):
-            verifier = copy.deepcopy(model).float().cpu().eval()
+            # (not .eval(): after fairseq's make_generation_fast_ it returns None)
+            verifier = copy.deepcopy(model).float().cpu()
             args = getattr(verifier, "args", None) or verifier.cfg
             spec = fairseq_converter._get_model_spec(args)
             fairseq_converter.set_transformer_encoder(spec.encoder, verifier.encoder)
@@ -236,8 +237,10 @@ class TwinDrafter:
     drafts_continuations = True
     precision = "int8"
     chosen_by_name = False  # --drafter twin (not auto): the relaxed rule drafts with it too
-    # the most sentences a batch drafts for by default (settings.draft_batch_limit; 0: any)
-    default_draft_batch = 0
+    # the most sentences a batch drafts for by default (settings.draft_batch_limit): on two
+    # cores the twin's drafts earned 1.65x the drafter-less loop at batch 1, 1.27x at 2, a tie
+    # at 4 and lost from 8 on (BENCHMARKS.md, "The twin drafter")
+    default_draft_batch = 4
 
     def __init__(self, engine, source_dictionary, target_dictionary, max_positions: int,
                  directory: Path):  # fmt: skip
@@ -251,7 +254,7 @@ class TwinDrafter:
         self.symbols = len(target_dictionary)
         self._max_positions = max_positions
         self.directory = directory
-        self.description = f"the verifier's CTranslate2 {QUANTIZATION} twin ({directory})"
+        self.description = f"the verifier's CTranslate2 {QUANTIZATION} twin (--drafter twin)"
 
     def max_positions(self) -> int:
         return self._max_positions
