@@ -168,7 +168,8 @@ def test_validation_logs_the_acceptance_that_decoding_measures(toy):
     assert max(relaxed) > max(lossless), (relaxed, lossless)  # beta 3, tau 1 accepts more
     result = fairseq(
         "generate", toy["bin"], "--user-dir", USER_DIR, "--task", "spec_translation",
-        "--path", toy["verifier"], "--drafter-path", toy["cached_drafter"], "--gen-subset", "valid",
+        "--path", toy["verifier"], "--drafter-path", toy["cached_drafter"], "--drafter", "file",
+        "--gen-subset", "valid",
         "--block-size", BLOCK_SIZE, "--max-draft-batch", 0, "--max-tokens", 2000,
         "--drafter-precision", "fp32",
         *DEFAULTS.fairseq_flags(["max_len_a", "max_len_b"]), "--cpu",

@@ -110,6 +110,8 @@ class DraftsByHand:
     """Greedy continuations asked of CTranslate2 here, outside the twin drafter: what the twin
     should draft, for comparison."""
 
+    drafts_continuations = True
+
     def __init__(self, twin, task):
         self.twin = twin
         self.translator = ctranslate2.Translator(str(twin.directory), compute_type="int8",
@@ -210,10 +212,12 @@ def test_conversion_leaves_the_verifier_as_it_was(toy_pair, tmp_path):
 
 
 def test_a_verifier_ctranslate2_cannot_convert_drafts_with_the_drafter_file(toy, toy_pair,
-                                                                           caplog):  # fmt: skip
+                                                                           caplog, monkeypatch):
     task, verifier = toy_pair
-    unconvertible = perturbed(verifier, scale=1e-3)  # (not the twin in the cache)
+    unconvertible = copy.deepcopy(verifier)
     unconvertible.args.encoder_normalize_before = not verifier.args.decoder_normalize_before
+    # (a twins directory of its own: the weights are the verifier's, whose twin may be made)
+    monkeypatch.setattr(twin_drafter, "TWINS_DIR", toy["root"] / "unconvertible-twins")
     with caplog.at_level(logging.WARNING, logger="spec_nmt"):
         drafter = load_decoding_drafter(task, "auto", str(toy["cached_drafter"]), unconvertible)
     assert getattr(drafter, "twin", None) is None and type(drafter).__name__ == "CachedDrafter"
@@ -254,7 +258,7 @@ def test_the_bundled_pair_with_its_twin_gives_stock_greedy_output(bundled, batch
     dictionary = bundled.src_dict
     stock = SequenceGenerator([bundled.verifier], bundled.tgt_dict, beam_size=1, max_len_a=1.2,
                               max_len_b=10)  # fmt: skip
-    generator = bundled.generator()
+    generator = bundled.generator(max_draft_batch=0)  # (by default the twin drafts up to 4)
     assert generator.drafter is bundled.drafter.twin
     for start in range(0, len(lines), batch_size):
         rows = [torch.tensor([dictionary.index(p) for p in line] + [dictionary.eos()])

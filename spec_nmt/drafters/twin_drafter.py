@@ -111,9 +111,11 @@ def _converter(model, source_dictionary, target_dictionary):
     return VerifierConverter()
 
 
-def twin_directory(model, source_dictionary, target_dictionary, twins: Path = TWINS_DIR,
+def twin_directory(model, source_dictionary, target_dictionary, twins: Optional[Path] = None,
                    quantization: str = QUANTIZATION) -> Path:  # fmt: skip
-    """The directory of the verifier's twin, converted now if it is missing or not whole."""
+    """The directory of the verifier's twin under ``twins`` (default TWINS_DIR), converted now
+    if it is missing or not whole."""
+    twins = twins or TWINS_DIR
     key = fingerprint(model, source_dictionary, target_dictionary, quantization)
     directory = twins / key
     if intact(directory, key):
@@ -197,7 +199,8 @@ ENGINES = {"process": InProcess, "worker": WorkerProcess}
 
 
 def load_twin(model, source_dictionary, target_dictionary, max_positions: int,
-              twins: Path = TWINS_DIR, engine: Optional[str] = None) -> "TwinDrafter":  # fmt: skip
+              twins: Optional[Path] = None,
+              engine: Optional[str] = None) -> "TwinDrafter":  # fmt: skip
     """The twin drafter of a verifier model on the CPU, its twin made or taken from ``twins``,
     run with torch's thread count (--threads) in this process or a worker's (``engine``
     "process" or "worker"; by default as WORKER_FROM_THREADS says); TwinUnavailable (one
