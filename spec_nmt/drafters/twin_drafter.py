@@ -132,7 +132,8 @@ def twin_directory(model, source_dictionary, target_dictionary, twins: Optional[
         shutil.rmtree(directory, ignore_errors=True)  # (a corrupt one)
         os.replace(made, directory)
     except (ValueError, NotImplementedError, KeyError, AttributeError, RuntimeError) as error:
-        raise TwinUnavailable(f"CTranslate2 cannot convert this verifier: {error}") from None
+        reason = " ".join(str(error).split())  # (CTranslate2 lists its reasons on lines)
+        raise TwinUnavailable(f"CTranslate2 cannot convert this verifier: {reason}") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     logger.info("made the verifier's CTranslate2 twin in %s", directory)
