@@ -44,9 +44,9 @@ DRAFTER_HELP = (
     "what drafts: twin (the verifier's own CTranslate2 int8 twin, made once per verifier and "
     "kept in ~/.cache/spec-nmt/twins: whole continuations, no training; CPU only), file (the "
     "drafter checkpoint, --drafter-path), none (the verifier alone). auto: the twin for the "
-    "lossless rule and speculative sampling on the CPU, where it measured fastest, and the "
-    "drafter file for the relaxed rule (the twin's drafts may depend on the batch), RSD, draft "
-    "trees and the GPU. Where the twin cannot be made (no ctranslate2, a verifier it cannot "
+    "lossless rule on the CPU, where it measured fastest, and the drafter file for the relaxed "
+    "rule (the twin's drafts may depend on the batch), sampling (slower with the twin), RSD, "
+    "draft trees and the GPU. Where the twin cannot be made (no ctranslate2, a verifier it cannot "
     "convert), one line says so and the drafter file drafts"
 )
 

@@ -77,15 +77,16 @@ Expand = Callable[[Tensor, Tensor, int, bool], Tensor]
 
 def drafter_for_rule(drafter, settings) -> "Drafter":
     """The drafter a rule drafts with, its one home. The verifier's twin
-    (drafters/twin_drafter.py), where one was loaded beside the drafter file, drafts the chains
-    of the rules whose translations the drafts cannot change: lossless top-beta and speculative
-    sampling. The relaxed rule, whose translations the drafts decide, takes the twin only where
-    it was asked for by name (its drafts may depend on the batch), else a bf16 drafter's fp32
-    copy where it has one (loading.load_drafter: bf16 drafts depend a little on the batch).
-    Trees and RSD keep the drafter file (a twin's draft distribution is one-hot)."""
+    (drafters/twin_drafter.py), where one was loaded beside the drafter file, drafts for the
+    lossless rule. The others take it only where it was asked for by name: the relaxed rule's
+    translations are its drafts, which may depend on the batch, and speculative sampling over
+    its greedy continuations ran 0.66x fairseq sampling at batch 1 against the drafter-less
+    loop's 1.42x (BENCHMARKS.md, "The twin drafter"). The relaxed rule otherwise takes a bf16
+    drafter's fp32 copy where it has one (loading.load_drafter: bf16 drafts depend a little on
+    the batch). Trees and RSD keep the drafter file (a twin's draft distribution is one-hot)."""
     twin = getattr(drafter, "twin", None)
-    if twin is not None and settings.draft_plan.is_chain and (
-            not settings.relaxed or twin.chosen_by_name):  # fmt: skip
+    lossless = settings.verify == "top_beta" and not settings.relaxed
+    if twin is not None and settings.draft_plan.is_chain and (lossless or twin.chosen_by_name):
         return twin
     if settings.relaxed:
         return getattr(drafter, "fp32_copy", None) or drafter
