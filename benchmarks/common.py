@@ -287,7 +287,10 @@ class OracleDrafter(NoDrafter):
     def select_rows(self, state, rows):
         state["outputs"] = state["outputs"].index_select(0, rows)
 
-    # the static loop's drafter (static_loop.StaticDrafter): the same drafts from a buffer
+    # its static form (drafter.StaticDrafter): the same drafts from a buffer
+    def static_form(self):
+        return self
+
     def buffers(self, batch, source_length: int, masked_source: bool):
         return torch.full_like(batch.tokens, self.eos)
 

@@ -27,13 +27,8 @@
 # refused while this one, or a training it left running, holds WORK_DIR/.campaign.lock.
 set -euo pipefail
 USAGE="usage: $0 DATA_BIN SPM_MODEL RAW_DIR WORK_DIR [fairseq-train flags]"
-case "${1:-}" in
-  -h|--help) echo "$USAGE"; exit 0 ;;
-esac
-if (( $# < 4 )); then
-  echo "$USAGE" >&2
-  exit 2
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
+check_arguments "$USAGE" 4 "$@"
 DATA_BIN=$1
 SPM_MODEL=$2
 RAW_DIR=$3

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import torch
 
-from spec_nmt.decoding.rules import RULES
 from spec_nmt.loading import (
     DEFAULT_DRAFTER_PRECISION,
     DRAFTER_PRECISION_HELP,
     DRAFTER_PRECISION_NAMES,
 )
-from spec_nmt.settings import DEFAULTS, flag_help
+from spec_nmt.settings import DEFAULTS, VERIFY_RULES, flag_help, samples
 from spec_nmt.translator import SpecTranslator
 
 STYLE = """
@@ -169,12 +168,12 @@ def main():
         default = getattr(DEFAULTS, name)
         parser.add_argument(f"--{name.replace('_', '-')}",
                             type=str if default is None else type(default), default=default,
-                            choices=list(RULES) if name == "verify" else None,
+                            choices=list(VERIFY_RULES) if name == "verify" else None,
                             help=flag_help(name))  # fmt: skip
     args = parser.parse_args()
     settings = {"block_size": args.block_size, "beta": args.beta, "tau": args.tau,
                 "verify": args.verify}  # fmt: skip
-    if RULES[args.verify].sampled_drafts:
+    if samples(args.verify):
         settings.update(temperature=args.temperature, seed=args.seed)
     if args.tree_branching:
         settings["tree_branching"] = args.tree_branching

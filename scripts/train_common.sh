@@ -4,13 +4,8 @@
 #   SCRIPT DATA_BIN SAVE_DIR [SIZE] [extra fairseq-train flags]
 set -euo pipefail
 USAGE="usage: $0 DATA_BIN SAVE_DIR [$(IFS='|'; echo "${SIZES[*]}")] [fairseq-train flags]"
-case "${1:-}" in
-  -h|--help) echo "$USAGE"; exit 0 ;;
-esac
-if (( $# < 2 )); then
-  echo "$USAGE" >&2
-  exit 2
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
+check_arguments "$USAGE" 2 "$@"
 DATA_BIN=$1
 SAVE_DIR=$2
 SIZE=${3:-${SIZES[0]}}

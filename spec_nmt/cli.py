@@ -31,32 +31,28 @@ import secrets
 import time
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Callable, Iterator, List, Optional, TextIO
+from typing import Callable, List, TextIO
 
 import torch
 from tqdm import tqdm
 
-from spec_nmt.decoding.drafter import drafter_for_rule
+from spec_nmt import loading
+from spec_nmt.decoding.drafter import drafter_for_rule, drafts_continuations
 from spec_nmt.decoding.loop import DecodingStats
-from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.input_text import buffers, decoded_lines, input_name, open_input
-from spec_nmt.loading import (
-    DEFAULT_DRAFTER,
-    DEFAULT_DRAFTER_PRECISION,
-    DRAFTER_CHOICES,
-    DRAFTER_HELP,
-    DRAFTER_PRECISION_HELP,
-    DRAFTER_PRECISION_NAMES,
-)
 from spec_nmt.runtime import DEFAULT_THREADS, THREADS_HELP, check_threads
 from spec_nmt.settings import (
     DECODING_LOOPS,
     DEFAULTS,
     FLAGS,
+    RULE_SETTINGS,
+    SAMPLING_SETTINGS,
+    VERIFY_RULES,
     DecodingSettings,
     check_sampling_settings_used,
     flag_help,
+    samples,
 )
 from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 
@@ -65,9 +61,7 @@ from spec_nmt.translator import DEFAULT_BATCH_SIZE, SpecTranslator
 PROGRESS_DELAY_S = 1.0
 DEFAULT_BUFFER_SIZE = 1000
 # The decoding settings spec-nmt-translate takes as flags, with DecodingSettings' help texts.
-SETTING_FLAGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
-                 "draft_stop", "max_draft_batch", "decoding_loop", "temperature",
-                 "sampling_topk", "sampling_topp", "seed")  # fmt: skip
+SETTING_FLAGS = RULE_SETTINGS + SAMPLING_SETTINGS
 
 
 def parse_args(argv=None):
@@ -91,36 +85,20 @@ def parse_args(argv=None):
         "where it holds one for the device, e.g. drafter.cuda.pt, else MODEL_DIR/drafter.pt)"
     )
     parser.add_argument(
-        "--drafter", choices=DRAFTER_CHOICES, default=DEFAULT_DRAFTER,
-        help=DRAFTER_HELP + " (default: %(default)s)",
+        "--drafter", choices=loading.DRAFTER_CHOICES, default=loading.DEFAULT_DRAFTER,
+        help=loading.DRAFTER_HELP + " (default: %(default)s)",
     )  # fmt: skip
-    for name in SETTING_FLAGS:
-        default = getattr(DEFAULTS, name)
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=setting_type(name),
-            choices={"verify": list(RULES), "decoding_loop": list(DECODING_LOOPS)}.get(name),
-            default=None,
-            help=flag_help(name, with_default=name != "seed") + (
-                "; default: a fresh seed each run, printed on stderr, so runs differ"
-                if name == "seed" else ""),  # fmt: skip
-        )
+    add_setting_flags(parser)
     parser.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
         help="sentences per batch (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--buffer-size",
-        type=int,
-        default=DEFAULT_BUFFER_SIZE,
+        "--buffer-size", type=int, default=DEFAULT_BUFFER_SIZE,
         help="lines read before decoding; sentences are sorted by length inside a buffer "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--no-split-sentences",
-        action="store_true",
-        help="translate each line as one sentence (as fairseq-interactive does)",
-    )
+        "(default: %(default)s)")  # fmt: skip
+    parser.add_argument("--no-split-sentences", action="store_true",
+                        help="translate each line as one sentence (as fairseq-interactive does)")
     parser.add_argument(
         "--no-number-repair",
         action="store_true",
@@ -143,19 +121,32 @@ def parse_args(argv=None):
     parser.add_argument(
         "--cpu", action="store_true", help="decode on the CPU even if CUDA is available"
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=DEFAULT_THREADS,
-        help=THREADS_HELP + " (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--drafter-precision",
-        choices=DRAFTER_PRECISION_NAMES,
-        default=DEFAULT_DRAFTER_PRECISION,
-        help=DRAFTER_PRECISION_HELP + " (default: %(default)s)",
-    )
-    args = parser.parse_args(argv)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=THREADS_HELP + " (default: %(default)s)")
+    parser.add_argument("--drafter-precision", choices=loading.DRAFTER_PRECISION_NAMES,
+                        default=loading.DEFAULT_DRAFTER_PRECISION,
+                        help=loading.DRAFTER_PRECISION_HELP + " (default: %(default)s)")
+    return checked(parser.parse_args(argv))
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """The decoding settings' flags, with their help from DecodingSettings; each defaults to
+    None, so that what the user gave is known (``given_settings``)."""
+    for name in SETTING_FLAGS:
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=setting_type(name),
+            choices={"verify": list(VERIFY_RULES), "decoding_loop": list(DECODING_LOOPS)}.get(name),
+            default=None,
+            help=flag_help(name, with_default=name != "seed") + (
+                "; default: a fresh seed each run, printed on stderr, so runs differ"
+                if name == "seed" else ""),  # fmt: skip
+        )
+
+
+def checked(args: argparse.Namespace) -> argparse.Namespace:
+    """The parsed arguments, refused in one line where a value cannot work (before the models
+    load), with --encoding's name made canonical."""
     if args.buffer_size < 1:
         raise SpecNmtError(f"--buffer-size must be >= 1, got {args.buffer_size}")
     check_threads(args.threads, "--threads")
@@ -220,7 +211,7 @@ class Totals:
 
 def decoder(translator: SpecTranslator) -> Callable[..., List[str]]:
     """The translator's call for its rule: sample() for the sampling rules."""
-    if RULES[translator.settings.verify].sampled_drafts:
+    if samples(translator.settings.verify):
         return translator.sample
     return translator.translate
 
@@ -284,7 +275,7 @@ def drafting_report(settings, stats: DecodingStats, drafter) -> str:
             f"drafting in part: {counted(stats.batches_without_drafts, 'batch')} of more than "
             f"{counted(limit, 'sentence')} (--max-draft-batch {limit}) decoded without drafts"
         )
-    if getattr(drafter, "drafts_continuations", False):
+    if drafts_continuations(drafter):
         return f"drafting on: --verify {settings.verify}, whole continuations (--drafter twin)"
     return f"drafting on: --verify {settings.verify}, --block-size {settings.block_size}"
 
@@ -306,13 +297,13 @@ def report(translator, totals: Totals, args) -> None:
     if not args.stats:
         return
     stats = totals.decoding
+    drafter = drafter_for_rule(translator.drafter, translator.settings)
     lines = [
-        drafting_report(translator.settings, stats,
-                        drafter_for_rule(translator.drafter, translator.settings)),
+        drafting_report(translator.settings, stats, drafter),
         f"{stats.mean_accepted_per_iteration:.2f} accepted drafts per iteration "
         f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted in "
         f"{stats.iterations} iterations)",
-        f"drafter: {drafter_used(translator, stats)}",
+        f"drafter: {drafter_used(translator, drafter, stats)}",
         f"{speed}, {counted(torch.get_num_threads(), 'CPU thread')}",
         f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
         "log-probability per output token, EOS included, in nats)",
@@ -321,10 +312,9 @@ def report(translator, totals: Totals, args) -> None:
         print(f"spec-nmt-translate stats: {line}", file=sys.stderr)
 
 
-def drafter_used(translator, stats: DecodingStats) -> str:
-    """What drafted for the translator's rule: the twin, the drafter file (with its
-    precision), or that nothing drafted."""
-    drafter = drafter_for_rule(translator.drafter, translator.settings)
+def drafter_used(translator, drafter, stats: DecodingStats) -> str:
+    """What drafted for the translator's rule (``drafter``): the twin, the drafter file (with
+    its precision), or that nothing drafted."""
     if not stats.drafted_tokens:
         return f"{translator.drafter_path or 'none'} (no drafts)"
     if getattr(drafter, "description", None):
@@ -361,7 +351,7 @@ def main(argv=None):
 
 def run(args) -> None:
     settings = given_settings(args)
-    if RULES[settings.get("verify", DEFAULTS.verify)].sampled_drafts and args.seed is None:
+    if samples(settings.get("verify", DEFAULTS.verify)) and args.seed is None:
         # one seed for the whole run, so that --seed gives its samples again
         settings["seed"] = secrets.randbits(63)
         if args.stats or not args.quiet:

@@ -184,11 +184,12 @@ def read_checkpoint(flag: str, path: str):
 
 
 def drafter_adapter(model, dictionary, vocabulary: Optional[torch.Tensor] = None):
-    """The decoding loop's adapter for a drafter model: the drafter model's own (over
-    ``vocabulary`` when given, see read_draft_vocabulary), or for any other fairseq translation
-    model the autoregressive drafter."""
+    """The decoding loop's adapter for a drafter model: the one its ``decoding_adapter`` makes
+    (every drafter model of drafters/ has one; over ``vocabulary`` when given, see
+    read_draft_vocabulary), or for any other fairseq translation model the autoregressive
+    drafter."""
     pad, eos = dictionary.pad(), dictionary.eos()
-    if isinstance(model, (SpecDrafterModel, FeatureDrafterModel)):
+    if hasattr(model, "decoding_adapter"):
         return model.decoding_adapter(pad, eos, vocabulary)
     return ArDrafter(model, pad, eos)
 

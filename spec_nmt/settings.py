@@ -6,14 +6,36 @@ shape happen here, once.
 
 import dataclasses
 import functools
-import sys
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from spec_nmt.decoding.rules import RULES
 from spec_nmt.errors import SpecNmtError
+
+
+class RuleDrafts(NamedTuple):
+    """The drafts an acceptance rule (``--verify``) judges; how it judges them is in
+    decoding/rules.py, under the same name."""
+
+    sampled: bool  # drafts drawn from the drafter (else its best tokens); the rule samples
+    trees: bool  # drafts may branch (else always a chain of block_size)
+    # the tree drawn when no tree flag is given (--tree-branching's form); None: a chain
+    default_branching: Optional[str] = None
+
+
+VERIFY_RULES = {
+    "top_beta": RuleDrafts(sampled=False, trees=True),
+    "sampling": RuleDrafts(sampled=True, trees=False),
+    # RSD-C 3,1: the most tokens per verifier call of the 6-node trees on newstest2013
+    # (BENCHMARKS.md)
+    "rsd": RuleDrafts(sampled=True, trees=True, default_branching="3,1"),
+}
+
+
+def samples(verify: str) -> bool:
+    """Whether rule ``verify`` samples (else it translates greedily)."""
+    return VERIFY_RULES[verify].sampled
 
 
 @dataclass(frozen=True)
@@ -96,69 +118,62 @@ class DecodingSettings:
     benchmark take it from here."""
 
     # the rule and the drafts
-    verify: str = field(default="top_beta", metadata={"help": (
+    verify: str = field(default="top_beta", metadata={"kind": "rule", "help": (
         "acceptance rule: top_beta (greedy drafts judged by --beta and --tau; lossless with the "
         "defaults), sampling (speculative sampling of a chain: samples exactly from the "
         "verifier) or rsd (recursive rejection sampling over a draft tree, as exact)")})
     # With the bundled pair 2 and 3 are the fastest k > 0, 5 and 10 slower
     # (BENCHMARKS.md, newstest2014); its drafter earns little after 3.
-    block_size: int = field(default=3, metadata={"help": (
+    block_size: int = field(default=3, metadata={"kind": "rule", "help": (
         "k: drafted tokens per iteration (tree depth for rsd); 0: no drafts, the verifier alone "
         "on the same loop")})
-    beta: int = field(default=1, metadata={"help": (
+    beta: int = field(default=1, metadata={"kind": "rule", "help": (
         "top-beta rule: a draft must be among the verifier's beta best tokens (1: its best, "
         "which makes the output the verifier's greedy translation whatever --tau)")})
-    tau: float = field(default=0.0, metadata={"help": (
+    tau: float = field(default=0.0, metadata={"kind": "rule", "help": (
         "top-beta rule: a draft's log-probability must also be at most tau below the best "
         "token's, in nats (natural log)")})
     # children per node at each depth: rsd's RSD-C tree, or a tree of the drafter's best tokens
     # for top_beta (chains without it or tree_budget)
-    tree_branching: Optional[str] = field(default=None, metadata={"help": (
+    tree_branching: Optional[str] = field(default=None, metadata={"kind": "rule", "help": (
         "a draft tree instead of a chain: children per node at each depth, e.g. 3,2,2,1 "
         "(top_beta: the drafter's best tokens; rsd: drawn tokens, RSD-C)")})
     # nodes per iteration, grown by beam search over the drafter's sequences (stochastic for
     # rsd: RSD-S); block_size levels of tree_budget // block_size nodes each
-    tree_budget: int = field(default=0, metadata={"help": (
+    tree_budget: int = field(default=0, metadata={"kind": "rule", "help": (
         "a draft tree grown by beam search over the drafter's sequences: nodes per iteration, "
         "block-size levels of tree-budget // block-size nodes (rsd: stochastic, RSD-S; 0: none)")})
     # Drafts the drafter is unsure of are seldom accepted: with the feature drafter, whose every
     # draft is a step, stopping there drafts fewer and accepts about as many (BENCHMARKS.md)
-    draft_stop: float = field(default=0.0, metadata={"help": (
+    draft_stop: float = field(default=0.0, metadata={"kind": "rule", "help": (
         "end a chain of drafts after the first level where no sentence's draft has at least "
         "this probability under the drafter; --block-size stays the most (0: always "
         "block-size drafts)")})
-    # the most sentences a batch may have and still draft; a larger batch decodes with the
-    # verifier alone on the same loop, since the bundled pair's drafts cost more than they earn
-    # in a batch (BENCHMARKS.md). None: for the rules whose translations do not depend on the
-    # drafts (lossless top-beta, sampling and rsd: the same distribution) 1 with a trained
-    # drafter and the twin's own limit with the twin (draft_batch_limit), no limit for a relaxed
-    # top-beta/tau, whose drafts decide its translations; 0: no limit
-    max_draft_batch: Optional[int] = field(default=None, metadata={"help": (
+    # a larger batch decodes with the verifier alone on the same loop: drafts cost more than
+    # they earn in a batch (BENCHMARKS.md). None: resolved by draft_batch_limit
+    max_draft_batch: Optional[int] = field(default=None, metadata={"kind": "rule", "help": (
         "the most sentences a batch may have and still draft; larger batches decode with the "
         "verifier alone (0: draft in every batch; default: for the lossless rule and the "
         "sampling rules 1 with a drafter file and 4 with the twin, where each measured "
         "fastest, no limit for a relaxed --beta/--tau)")})
-    # The static loop (decoding/static_loop.py) removes the host's waits and, on CUDA, replays
-    # each iteration as one captured graph; it serves top_beta chains with the cached drafter
-    # (its CTC form too), the feature drafter or none, and every other batch decodes on the
-    # dynamic loop. Both give the same tokens. auto
-    # picks by device: on the CPU, where a host read costs nothing, the dynamic loop ran 3-5 %
-    # faster with drafts in five runs and tied without (BENCHMARKS.md, "The loop on the CPU").
-    decoding_loop: str = field(default="auto", metadata={"help": (
+    # Both loops give the same tokens (decoding/static_loop.py decides which serves a batch).
+    # auto picks by device: on the CPU, where a host read costs nothing, the dynamic loop ran
+    # 3-5 % faster with drafts and tied without (BENCHMARKS.md, "The loop on the CPU").
+    decoding_loop: str = field(default="auto", metadata={"kind": "rule", "help": (
         "static: preallocated caches, acceptance on the device and one host read per "
         "iteration (captured as a CUDA graph on a GPU), for the top_beta rule with chains of "
         "drafts; other rules and draft shapes decode on the dynamic loop. dynamic: always the "
         "dynamic loop. auto: static on a GPU, dynamic on the CPU (the faster one on each; "
         "same output)")})
     # sampling (rules sampling and rsd)
-    temperature: float = field(default=1.0, metadata={"help": (
+    temperature: float = field(default=1.0, metadata={"kind": "sampling", "help": (
         "sampling rules: the verifier's logits are divided by it (below 1: closer to greedy)")})
-    sampling_topk: int = field(default=-1, metadata={"help": (
+    sampling_topk: int = field(default=-1, metadata={"kind": "sampling", "help": (
         "sampling rules: sample among the k most probable tokens only (-1: all)")})
-    sampling_topp: float = field(default=-1.0, metadata={"help": (
+    sampling_topp: float = field(default=-1.0, metadata={"kind": "sampling", "help": (
         "sampling rules: sample among the most probable tokens whose probabilities add up to p "
         "(-1: all)")})
-    seed: int = field(default=1, metadata={"help": (
+    seed: int = field(default=1, metadata={"kind": "sampling", "help": (
         "sampling rules: the random seed; equal seeds give equal samples")})
     # output length and scores, in fairseq's generation terms
     max_len_a: float = 1.2  # an output may have max_len_a * source length + max_len_b tokens
@@ -171,9 +186,9 @@ class DecodingSettings:
     def __post_init__(self):
         # Every check of a setting is here, once; each message names settings through ``n``,
         # so that each caller reads its own names (SettingError).
-        if self.verify not in RULES:
+        if self.verify not in VERIFY_RULES:
             raise SettingError(lambda n: f"{n.name('verify')} must be one of "
-                               f"{', '.join(RULES)}, got {self.verify!r}")  # fmt: skip
+                               f"{', '.join(VERIFY_RULES)}, got {self.verify!r}")  # fmt: skip
         if int(self.block_size) != self.block_size or self.block_size < 0:
             raise SettingError(lambda n: f"{n.name('block_size')} must be an integer >= 0 "
                                f"(0: no drafts), got {self.block_size}")  # fmt: skip
@@ -240,7 +255,7 @@ class DecodingSettings:
     @functools.cached_property  # (the rules ask it every iteration)
     def draft_plan(self) -> DraftPlan:
         """The drafts' shape; one-line errors for combinations that make no sense."""
-        rule = RULES[self.verify]
+        rule = VERIFY_RULES[self.verify]
         trees = "({}, {}, {})".format  # the settings that make a draft tree
         if not rule.trees and (self.tree_branching or self.tree_budget):
             raise SettingError(
@@ -268,7 +283,7 @@ class DecodingSettings:
                     n.name('verify', 'rsd'), n.name('tree_branching'), n.name('tree_budget'))
             )
         if not branches:
-            return DraftPlan.chain(self.block_size, rule.sampled_drafts, self.draft_stop)
+            return DraftPlan.chain(self.block_size, rule.sampled, self.draft_stop)
         if not self.tree_budget:
             shape = self.tree_branching or rule.default_branching
             try:
@@ -281,7 +296,7 @@ class DecodingSettings:
                     f"integers (children per node at each depth, e.g. 3,2,2,1), got "
                     f"{self.tree_branching!r}"
                 )
-            return DraftPlan(branching=branching, sample=rule.sampled_drafts)
+            return DraftPlan(branching=branching, sample=rule.sampled)
         width = self.tree_budget // self.block_size
         if width < 1:
             raise SettingError(
@@ -289,7 +304,7 @@ class DecodingSettings:
                 f"{n.name('block_size', self.block_size)}: the beam needs at least one node per "
                 "level"
             )
-        return DraftPlan(beam_width=width, beam_depth=self.block_size, sample=rule.sampled_drafts)
+        return DraftPlan(beam_width=width, beam_depth=self.block_size, sample=rule.sampled)
 
     def length_limits(self, source_lengths: Tensor, max_positions: int) -> Tensor:
         """Each sentence's output length limit [B], max_len_a * its source length + max_len_b
@@ -356,65 +371,30 @@ DEFAULTS = DecodingSettings()
 # The relaxed top-beta/tau rule (beta, tau) that the acceptance targets quote: drafters are
 # validated and benchmarked with it beside the lossless rule, at their own k.
 REFERENCE_TOP_BETA = DEFAULTS.replace(beta=3, tau=1.0)
+
+
+def settings_of_kind(kind: Optional[str]) -> Tuple[str, ...]:
+    """The settings whose field says this ``kind``: "rule" (the task's own flags), "sampling"
+    (only the sampling rules use them) or None (fairseq's generation flags alone)."""
+    return tuple(setting.name for setting in dataclasses.fields(DecodingSettings)
+                 if setting.metadata.get("kind") == kind)  # fmt: skip
+
+
 # the task's own flags; the rest are fairseq's generation flags (--temperature, --max-len-a ...)
-RULE_SETTINGS = ("verify", "block_size", "beta", "tau", "tree_branching", "tree_budget",
-                 "draft_stop", "max_draft_batch", "decoding_loop")  # fmt: skip
+RULE_SETTINGS = settings_of_kind("rule")
+# the settings only the sampling rules use (and what fairseq's --sampling reads)
+SAMPLING_SETTINGS = settings_of_kind("sampling")
 GENERATION_SETTINGS = tuple(name for name in names() if name not in RULE_SETTINGS + ("seed",))
-
-
-# The settings only the sampling rules use (and what fairseq's --sampling reads)
-SAMPLING_SETTINGS = ("temperature", "sampling_topk", "sampling_topp", "seed")
 
 
 def check_sampling_settings_used(verify: str, given: Iterable[str], caller: Caller) -> None:
     """Refuse sampling settings given for a run or call that decodes greedily: they would be
     ignored, and a user who gives them meant to sample."""
     given = [name for name in SAMPLING_SETTINGS if name in given]
-    if given and not RULES[verify].sampled_drafts:
+    if given and not samples(verify):
         raise SettingError(
             lambda n: f"{', '.join(map(n.name, given))} {'sets' if len(given) == 1 else 'set'} "
             "how to sample: "
             f"{n.samples_with} ({n.name('verify', verify)} translates greedily)",
             caller,
         )
-
-
-def _beam_given_on_command_line() -> bool:
-    return any(arg == "--beam" or arg.startswith("--beam=") for arg in sys.argv[1:])
-
-
-def check_generation_args(args, n_models: int, verify: str) -> None:
-    """Reject generation flags that speculative decoding cannot honour, one line each."""
-    if n_models != 1:
-        raise SpecNmtError("speculative decoding takes exactly one verifier in --path")
-    # fairseq's default --beam is 5; only an explicit --beam other than 1 is a user's request.
-    if getattr(args, "beam", 1) != 1 and _beam_given_on_command_line():
-        raise SpecNmtError(
-            f"--beam {args.beam} cannot be combined with --drafter-path: speculative decoding "
-            "verifies greedy decoding or sampling (drop --beam or use --beam 1)"
-        )
-    if not RULES[verify].sampled_drafts and getattr(args, "sampling", False):
-        raise SpecNmtError(
-            "--sampling with --drafter-path needs --verify sampling or --verify rsd "
-            "(top_beta verifies greedy decoding)"
-        )
-    unsupported = {
-        "nbest": (1, "--nbest must be 1 with --drafter-path (one hypothesis per sentence)"),
-        "prefix_size": (0, "--prefix-size is not supported with --drafter-path"),
-        "constraints": (None, "--constraints are not supported with --drafter-path"),
-        "match_source_len": (False, "--match-source-len is not supported with --drafter-path"),
-        "no_repeat_ngram_size": (0, "--no-repeat-ngram-size is not supported with --drafter-path"),
-        "diverse_beam_groups": (-1, "diverse beam search is not supported with --drafter-path"),
-        "diversity_rate": (-1.0, "--diversity-rate is not supported with --drafter-path"),
-        "print_alignment": (None, "--print-alignment is not supported with --drafter-path"),
-        "score_reference": (False, "--score-reference is not supported with --drafter-path"),
-        "lm_path": (None, "--lm-path is not supported with --drafter-path"),
-        "retain_iter_history": (
-            False,
-            "--retain-iter-history is not supported with --drafter-path",
-        ),
-    }
-    for name, (default, message) in unsupported.items():
-        value = getattr(args, name, default)
-        if value not in (default, None):
-            raise SpecNmtError(message)

@@ -11,6 +11,7 @@
 
 import atexit
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 from weakref import WeakKeyDictionary
@@ -25,9 +26,7 @@ from spec_nmt.acceptance_validation import AcceptanceValidation
 from spec_nmt.checkpoint_loading import model_config
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.loop import SpeculativeGenerator
-from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.scorer import BlockScorer
-from spec_nmt.decoding.static_loop import StaticLoop
 from spec_nmt.drafters.cached_drafter import CachedDrafterModel
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel
 from spec_nmt.drafters.training_batches import drafter_sample, unwrapped
@@ -48,12 +47,13 @@ from spec_nmt.settings import (
     DECODING_LOOPS,
     DEFAULTS,
     RULE_SETTINGS,
+    VERIFY_RULES,
     DecodingSettings,
-    check_generation_args,
+    samples,
 )
 from spec_nmt.text import cut_to_limit, tolerant_stdin
 
-VERIFY_CHOICES = ChoiceEnum(list(RULES))
+VERIFY_CHOICES = ChoiceEnum(list(VERIFY_RULES))
 LOOP_CHOICES = ChoiceEnum(list(DECODING_LOOPS))
 DRAFTER_PRECISIONS = ChoiceEnum(list(DRAFTER_PRECISION_NAMES))
 DRAFTER_KINDS = ChoiceEnum(list(DRAFTER_CHOICES))
@@ -276,37 +276,31 @@ class SpecTranslationTask(TranslationTask):
 
     def generator_for(self, verifier_model, drafter, settings: DecodingSettings,
                       capture_graphs: bool = True):  # fmt: skip
-        """The speculative generator for ``settings`` over these models. The verifier's linear
-        layers are packed once per model (verifiers do not change while they decode).
+        """The speculative generator for ``settings`` over these models, with the parts that
+        take a while to make kept across generators (a translator makes one per call): the
+        verifier's packed linear layers per model (verifiers do not change while they
+        decode), and per verifier and settings the static loop with the CUDA graphs it
+        captured, while the verifier's weights stay those it was made with.
         ``capture_graphs`` False: on CUDA the static loop runs its iterations eagerly."""
         project = self._packed_verifiers.get(verifier_model)
         if project is None:
             project = self._packed_verifiers[verifier_model] = PackedLinears(verifier_model)
         verifier = BlockScorer(verifier_model, temperature=settings.temperature,
                                        project=project)  # fmt: skip
-        static = self._static_loop(verifier_model, verifier, settings)
-        if static is not None and not capture_graphs:  # (a loop whose capture failed stays off)
-            static.capture_graphs = False
+        loops = self._static_loops.setdefault(verifier_model, {})
+        static = loops.get(settings)
+        if static is not None and not static.current():
+            static = None
+        # (without one kept, the generator makes the static loop where it is wanted)
         generator = SpeculativeGenerator(verifier, drafter, self.target_dictionary, settings,
                                          static)  # fmt: skip
+        if generator.static is not None:
+            loops[settings] = generator.static
+            if not capture_graphs:  # (a loop whose capture failed stays off)
+                generator.static.capture_graphs = False
         # (the drafter it runs: none with k = 0)
         self._source_token_limit = self.source_token_limit(verifier_model, generator.drafter)
         return generator
-
-    def _static_loop(self, verifier_model, verifier: BlockScorer,
-                     settings: DecodingSettings) -> Optional[StaticLoop]:  # fmt: skip
-        """The static loop for this verifier and these settings, made once and kept (with the
-        CUDA graphs it captured) while the verifier's weights stay those it was made with: a
-        translator makes a generator per call, which would capture them again every time."""
-        if not StaticLoop.may_serve(settings, next(verifier_model.parameters()).device):
-            return None
-        loops = self._static_loops.setdefault(verifier_model, {})
-        loop = loops.get(settings)
-        if loop is None or not loop.current():
-            dictionary = self.target_dictionary
-            loop = loops[settings] = StaticLoop(verifier, settings, dictionary.eos(),
-                                                dictionary.pad(), dictionary.unk())  # fmt: skip
-        return loop
 
     def get_interactive_tokens_and_lengths(self, lines, encode_fn):
         """Encode input lines; a line longer than the models accept is cut to fit (with a
@@ -317,3 +311,44 @@ class SpecTranslationTask(TranslationTask):
             return tokens, lengths
         tokens = [cut_to_limit(line_tokens, limit) for line_tokens in tokens]
         return tokens, [line_tokens.numel() for line_tokens in tokens]
+
+
+def _beam_given_on_command_line() -> bool:
+    return any(arg == "--beam" or arg.startswith("--beam=") for arg in sys.argv[1:])
+
+
+def check_generation_args(args, n_models: int, verify: str) -> None:
+    """Reject generation flags that speculative decoding cannot honour, one line each."""
+    if n_models != 1:
+        raise SpecNmtError("speculative decoding takes exactly one verifier in --path")
+    # fairseq's default --beam is 5; only an explicit --beam other than 1 is a user's request.
+    if getattr(args, "beam", 1) != 1 and _beam_given_on_command_line():
+        raise SpecNmtError(
+            f"--beam {args.beam} cannot be combined with --drafter-path: speculative decoding "
+            "verifies greedy decoding or sampling (drop --beam or use --beam 1)"
+        )
+    if not samples(verify) and getattr(args, "sampling", False):
+        raise SpecNmtError(
+            "--sampling with --drafter-path needs --verify sampling or --verify rsd "
+            "(top_beta verifies greedy decoding)"
+        )
+    unsupported = {
+        "nbest": (1, "--nbest must be 1 with --drafter-path (one hypothesis per sentence)"),
+        "prefix_size": (0, "--prefix-size is not supported with --drafter-path"),
+        "constraints": (None, "--constraints are not supported with --drafter-path"),
+        "match_source_len": (False, "--match-source-len is not supported with --drafter-path"),
+        "no_repeat_ngram_size": (0, "--no-repeat-ngram-size is not supported with --drafter-path"),
+        "diverse_beam_groups": (-1, "diverse beam search is not supported with --drafter-path"),
+        "diversity_rate": (-1.0, "--diversity-rate is not supported with --drafter-path"),
+        "print_alignment": (None, "--print-alignment is not supported with --drafter-path"),
+        "score_reference": (False, "--score-reference is not supported with --drafter-path"),
+        "lm_path": (None, "--lm-path is not supported with --drafter-path"),
+        "retain_iter_history": (
+            False,
+            "--retain-iter-history is not supported with --drafter-path",
+        ),
+    }
+    for name, (default, message) in unsupported.items():
+        value = getattr(args, name, default)
+        if value not in (default, None):
+            raise SpecNmtError(message)

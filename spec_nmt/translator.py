@@ -34,14 +34,20 @@ import torch
 from fairseq import checkpoint_utils, utils
 
 from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
-from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DEFAULT_DRAFTER, DEFAULT_DRAFTER_PRECISION, load_decoding_drafter
 from spec_nmt.number_repair import ConstrainedRedecoder, repair
 from spec_nmt.runtime import DEFAULT_THREADS, announce_kernel_timing, use_threads
-from spec_nmt.settings import DEFAULTS, KEYWORDS, DecodingSettings, check_sampling_settings_used
+from spec_nmt.settings import (
+    DEFAULTS,
+    KEYWORDS,
+    VERIFY_RULES,
+    DecodingSettings,
+    check_sampling_settings_used,
+    samples,
+)
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
 from spec_nmt.text import cut_to_limit, join_pieces, join_sentences, split_sentences
 
@@ -171,7 +177,7 @@ class SpecTranslator:
         (spec_nmt/number_repair.py); lossless output is the verifier's greedy output before
         that repair, and ``False`` returns it as it is."""
         generator = self.generator(**settings)
-        if RULES[generator.verify].sampled_drafts:
+        if samples(generator.verify):
             raise SpecNmtError("translate() verifies greedy decoding; use sample() to sample")
         check_sampling_settings_used(generator.verify, settings, KEYWORDS)
         return self._decode(generator, lines, batch_size, split_sentences, progress, keep_numbers)
@@ -197,7 +203,7 @@ class SpecTranslator:
         calls give different samples. Lines are split into sentences as in translate(), and
         numbers are repaired as there: a sample that lost a number is replaced, so the samples
         are exact only with ``keep_numbers=False``."""
-        sampling_rules = [name for name, rule in RULES.items() if rule.sampled_drafts]
+        sampling_rules = [name for name, rule in VERIFY_RULES.items() if rule.sampled]
         if verify is None:
             verify = self.settings.verify
             if verify not in sampling_rules:  # the translator's tree, if any, sampled with RSD

@@ -9,7 +9,8 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from spec_nmt.drafters.cached_drafter import CachedDrafter, cut_visibility
+from spec_nmt.drafters.cached_drafter import cut_visibility
+from spec_nmt.drafters.cached_drafting import CachedDrafter
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DEFAULTS

@@ -12,7 +12,7 @@ from fairseq.data import Dictionary
 
 from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.decoding import tree as trees
-from spec_nmt.drafters.cached_drafter import CachedDrafter
+from spec_nmt.drafters.cached_drafting import CachedDrafter
 from spec_nmt.drafters.spec_drafter import NarDrafter, output_size, restrict_output
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY, read_draft_vocabulary

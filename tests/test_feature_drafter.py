@@ -17,7 +17,7 @@ from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.decoding.block_forward import position_table
 from spec_nmt.decoding.loop import SpeculativeGenerator
 from spec_nmt.decoding.scorer import BlockScorer
-from spec_nmt.drafters import feature_drafter
+from spec_nmt.drafters import feature_drafting
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import DRAFT_VOCABULARY_KEY, load_drafter
 from spec_nmt.settings import DecodingSettings
@@ -198,7 +198,7 @@ def test_one_scripted_call_drafts_what_one_call_per_draft_drafts(toy, trained, s
     samples = [dataset.collater([dataset[i] for i in range(start, start + sentences_per_batch)])
                for start in range(0, 16, sentences_per_batch)]  # fmt: skip
     scripted_calls = []
-    scripted = feature_drafter.greedy_drafts_scripted
+    scripted = feature_drafting.greedy_drafts_scripted
 
     def counted(*args):
         scripted_calls.append(1)
@@ -206,7 +206,7 @@ def test_one_scripted_call_drafts_what_one_call_per_draft_drafts(toy, trained, s
 
     def decode():
         trees = []
-        propose = feature_drafter.FeatureDrafter.propose
+        propose = feature_drafting.FeatureDrafter.propose
 
         def recorded(self, *args):
             tree = propose(self, *args)
@@ -214,15 +214,15 @@ def test_one_scripted_call_drafts_what_one_call_per_draft_drafts(toy, trained, s
             return tree
 
         with monkeypatch.context() as patch, torch.no_grad():
-            patch.setattr(feature_drafter.FeatureDrafter, "propose", recorded)
+            patch.setattr(feature_drafting.FeatureDrafter, "propose", recorded)
             outputs = [[h[0]["tokens"].tolist() for h in generator.generate([model.verifier], s)]
                        for s in samples]  # fmt: skip
         return trees, outputs
 
-    monkeypatch.setattr(feature_drafter, "greedy_drafts_scripted", counted)
+    monkeypatch.setattr(feature_drafting, "greedy_drafts_scripted", counted)
     one_call = decode()
     assert scripted_calls
-    monkeypatch.setattr(feature_drafter.FeatureDrafter, "_scripted_steps", lambda *_: None)
+    monkeypatch.setattr(feature_drafting.FeatureDrafter, "_scripted_steps", lambda *_: None)
     assert decode() == one_call
     drafted = {token for tokens, valid in one_call[0] for row_tokens, row_valid in
                zip(tokens, valid) for token, real in zip(row_tokens, row_valid) if real}
@@ -253,14 +253,14 @@ def test_each_node_of_a_draft_tree_is_drafted_from_its_own_path(toy, trained, sp
     dataset = spec_task.dataset("valid")
     sample = dataset.collater([dataset[i] for i in range(8)])
     proposals = []
-    propose = feature_drafter.FeatureDrafter.propose
+    propose = feature_drafting.FeatureDrafter.propose
 
     def recorded(self, state, tokens, lengths, plan, rng):
         tree = propose(self, state, tokens, lengths, plan, rng)
         proposals.append((tokens.clone(), lengths.clone(), tree))
         return tree
 
-    monkeypatch.setattr(feature_drafter.FeatureDrafter, "propose", recorded)
+    monkeypatch.setattr(feature_drafting.FeatureDrafter, "propose", recorded)
     with torch.no_grad():
         generator.generate([model.verifier], sample)
         checked = set()

@@ -372,3 +372,12 @@ def test_speculative_sampling_stays_exact_when_chains_stop_early():
     assert lengths == {1, 2}
     expected = (q_root.unsqueeze(1) * q_child).flatten()
     assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_every_rule_has_its_drafts_and_its_acceptance():
+    """A rule is named in two tables, the drafts it judges (settings) and how (rules): a name in
+    one only would be a --verify choice without acceptance, or an acceptance no flag reaches."""
+    from spec_nmt.decoding.rules import RULES
+    from spec_nmt.settings import VERIFY_RULES
+
+    assert list(RULES) == list(VERIFY_RULES)

@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from spec_nmt.decoding.rules import RULES as RULE_TABLE
-from spec_nmt.settings import DecodingSettings
+from spec_nmt.settings import VERIFY_RULES, DecodingSettings
 from tests.conftest import (
     BLOCK_SIZE, OPTIMIZATION, TINY_TRANSFORMER, USER_DIR, fairseq, fairseq_error,
     fairseq_in_process,
@@ -50,7 +49,7 @@ def test_rsd_without_tree_flags_draws_the_default_tree(toy):
     assert len(hypotheses(output)) == 60
     default = DecodingSettings(verify="rsd").draft_plan
     # as measured and documented (BENCHMARKS.md, README)
-    assert RULE_TABLE["rsd"].default_branching == "3,1"
+    assert VERIFY_RULES["rsd"].default_branching == "3,1"
     assert default.branching == (3, 1) and default.sample
 
 

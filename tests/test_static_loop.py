@@ -161,10 +161,10 @@ def test_an_unknown_decoding_loop_is_refused_in_one_line():
 
 def test_the_default_loop_is_static_on_a_gpu_and_dynamic_on_the_cpu(sources):
     assert DEFAULTS.decoding_loop == "auto"
-    assert StaticLoop.may_serve(DEFAULTS, torch.device("cuda"))
-    assert not StaticLoop.may_serve(DEFAULTS, torch.device("cpu"))
-    assert StaticLoop.may_serve(DEFAULTS.replace(decoding_loop="static"), torch.device("cpu"))
-    assert not StaticLoop.may_serve(DEFAULTS.replace(decoding_loop="dynamic"),
+    assert StaticLoop.wanted(DEFAULTS, torch.device("cuda"))
+    assert not StaticLoop.wanted(DEFAULTS, torch.device("cpu"))
+    assert StaticLoop.wanted(DEFAULTS.replace(decoding_loop="static"), torch.device("cpu"))
+    assert not StaticLoop.wanted(DEFAULTS.replace(decoding_loop="dynamic"),
                                     torch.device("cuda"))  # fmt: skip
     pair = SpecTranslator.from_pretrained(BUNDLED_MODEL_DIR, device="cpu", drafter="file")
     generator = pair.generator(max_draft_batch=0)

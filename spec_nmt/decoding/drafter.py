@@ -56,9 +56,47 @@ class Drafter(Protocol):
         """A one-line error for drafts ``depth`` deep that the drafter cannot make (the
         generator asks once, before decoding)."""
 
-    # Optional: ``drafts_continuations = True`` says that the drafter drafts to the end of each
-    # sentence (the twin): the loop then plans chains as long as what is left of the batch's
-    # length limits instead of --block-size.
+    # Optional:
+    # - ``drafts_continuations = True``: the drafter drafts to the end of each sentence (the
+    #   twin); the loop then plans chains as long as what is left of the batch's length
+    #   limits instead of --block-size (``drafts_continuations``).
+    # - ``static_form() -> Optional[StaticDrafter]``: the same drafter on the static loop's
+    #   preallocated batch (static_loop.py), in the drafter's own file; None where it cannot
+    #   run there. Without the method a drafter decodes on the dynamic loop only.
+
+
+class StaticDrafter(Protocol):
+    """A drafter's static form, for the static loop: its buffers are made once per batch shape,
+    filled per batch, and ``draft`` computes a chain of ``batch.k`` drafts [B, k] on the
+    device without host reads (and without allocating what a captured graph cannot replay).
+    ``batch`` is the loop's ``static_decoder.Batch``."""
+
+    def buffers(self, batch, source_length: int, masked_source: bool) -> object:
+        """The drafter's tensors for batches of this shape (``batch.drafter``)."""
+
+    def fill(self, batch, net_input: Dict, encoder_out: Dict) -> None:
+        """Start ``batch.drafter`` for a new batch of sentences."""
+
+    def draft(self, batch) -> Tensor:
+        """[B, k] drafts after each row's pending token."""
+
+    def observe(self, batch, states: Tensor, emitted: Tensor, counts: Tensor) -> None:
+        """What the verifier's call left: its final states [B, k + 1, C] of the block, the
+        tokens [B, k + 1] they chose, and how many [B] the rows keep (0: a finished row)."""
+
+    def current(self) -> bool:
+        """Whether what it was made from is unchanged (its model's weights)."""
+
+
+def drafts_continuations(drafter) -> bool:
+    """Whether ``drafter`` drafts whole continuations (``Drafter.drafts_continuations``)."""
+    return getattr(drafter, "drafts_continuations", False)
+
+
+def static_form(drafter) -> Optional[StaticDrafter]:
+    """``drafter`` on the static loop (``Drafter.static_form``), or None."""
+    make = getattr(drafter, "static_form", None)
+    return None if make is None else make()
 
 
 # expand(level tokens [B, n], their visibility over uncommitted entries [B, n, U+n], their depth,
@@ -154,28 +192,8 @@ def grow_tree(
         # the root always extends: it is BOS (EOS's index in fairseq) or an unfinished prefix
         can_extend = frontier_valid & (frontier_tokens.ne(eos) if depth > 1 else True)
         first_parent = sum(t.size(1) for t in tokens) - frontier_tokens.size(1)  # node index
-        if plan.beam_width:
-            masked = parent_logprobs.masked_fill(~can_extend.unsqueeze(2), float("-inf"))
-            if plan.sample:
-                beam, level_tokens, beam_logprobs, beam_scores = stochastic_beam_step(
-                    beam_logprobs, beam_scores, masked, plan.beam_width, generator
-                )
-            else:
-                beam, level_tokens, beam_logprobs = beam_step(beam_logprobs, masked,
-                                                              plan.beam_width)  # fmt: skip
-                beam_scores = beam_logprobs
-            level_valid = beam_scores.isfinite()
-        else:
-            width = plan.branching[depth - 1]
-            if plan.sample:
-                level_tokens, drawn = gumbel_top_k(parent_logprobs, width, generator)
-            else:
-                level_tokens = parent_logprobs.topk(width, dim=-1).indices
-                drawn = torch.ones_like(level_tokens, dtype=torch.bool)
-            beam = torch.arange(frontier_tokens.size(1), device=device).repeat_interleave(width)
-            beam = beam.expand(batch, -1)
-            level_tokens = level_tokens.flatten(1)
-            level_valid = drawn.flatten(1) & can_extend.gather(1, beam)
+        beam, level_tokens, level_valid, beam_logprobs, beam_scores = _next_level(
+            plan, depth, parent_logprobs, can_extend, beam_logprobs, beam_scores, generator)
         level_parents = beam + first_parent if depth > 1 else torch.full_like(beam, -1)
         tokens.append(level_tokens)
         parents.append(level_parents)
@@ -208,6 +226,36 @@ def grow_tree(
         torch.cat(valid, dim=1),
         draft_probs,
     )
+
+
+def _next_level(plan: DraftPlan, depth: int, parent_logprobs: Tensor, can_extend: Tensor,
+                beam_logprobs: Tensor, beam_scores: Tensor,
+                generator: Optional[torch.Generator]):  # fmt: skip
+    """One level of ``grow_tree`` from its parents' log-probs [B, n_parents, V]: (each node's
+    parent among them [B, n], the nodes' tokens [B, n], whether each is a real draft [B, n],
+    and beam search's running log-probs and scores)."""
+    if plan.beam_width:
+        masked = parent_logprobs.masked_fill(~can_extend.unsqueeze(2), float("-inf"))
+        if plan.sample:
+            beam, level_tokens, beam_logprobs, beam_scores = stochastic_beam_step(
+                beam_logprobs, beam_scores, masked, plan.beam_width, generator
+            )
+        else:
+            beam, level_tokens, beam_logprobs = beam_step(beam_logprobs, masked,
+                                                          plan.beam_width)  # fmt: skip
+            beam_scores = beam_logprobs
+        return beam, level_tokens, beam_scores.isfinite(), beam_logprobs, beam_scores
+    width = plan.branching[depth - 1]
+    if plan.sample:
+        level_tokens, drawn = gumbel_top_k(parent_logprobs, width, generator)
+    else:
+        level_tokens = parent_logprobs.topk(width, dim=-1).indices
+        drawn = torch.ones_like(level_tokens, dtype=torch.bool)
+    batch, parents = parent_logprobs.shape[:2]
+    beam = torch.arange(parents, device=parent_logprobs.device).repeat_interleave(width)
+    beam = beam.expand(batch, -1)
+    level_valid = drawn.flatten(1) & can_extend.gather(1, beam)
+    return beam, level_tokens.flatten(1), level_valid, beam_logprobs, beam_scores
 
 
 class NoDrafter:

@@ -22,7 +22,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from spec_nmt.decoding.drafter import Drafter, NoDrafter, drafter_for_rule, pending_tokens
+from spec_nmt.decoding.batch_rows import BatchDecoding, BatchRows
+from spec_nmt.decoding.constraints import constrain
+from spec_nmt.decoding.drafter import (
+    Drafter,
+    NoDrafter,
+    drafter_for_rule,
+    drafts_continuations,
+    pending_tokens,
+)
 from spec_nmt.decoding.rules import RULES
 from spec_nmt.decoding.static_loop import StaticLoop, emitted_tokens
 from spec_nmt.decoding.trace import IterationRecord, trace_records
@@ -98,8 +106,8 @@ class SpeculativeGenerator:
         self.stats = DecodingStats()
         # the static loop, for the batches it serves (settings.decoding_loop)
         self.static = static
-        if static is None and StaticLoop.may_serve(
-                settings, next(verifier.model.parameters()).device):
+        if static is None and StaticLoop.wanted(settings,
+                                                next(verifier.model.parameters()).device):
             self.own_static_loop()
 
     def own_static_loop(self) -> StaticLoop:
@@ -112,8 +120,7 @@ class SpeculativeGenerator:
     @property
     def on_static_loop(self) -> bool:
         """Whether the static loop decodes the batches this generator drafts for."""
-        return self.static is not None and StaticLoop.serves(self.settings, self.plan,
-                                                             self.drafter, self.verifier)
+        return self.static is not None and self.static.serves(self.plan, self.drafter)
 
     def rng(self, device: torch.device) -> torch.Generator:
         """The sampling generator: one per decoder, seeded once, so a run is reproducible."""
@@ -145,7 +152,7 @@ class SpeculativeGenerator:
             # as a sentence for the drafting limit (an empty line changes the speed, not the
             # tokens)
             drafter, plan = self._drafting(src_tokens.size(0))
-            if StaticLoop.serves(self.settings, plan, drafter, self.verifier):
+            if self.static.serves(plan, drafter):
                 return self._generate_static(net_input, src_lengths, drafter, plan)
         max_lens = self._max_lengths(src_lengths)
         self._check_min_len(max_lens)
@@ -206,7 +213,7 @@ class SpeculativeGenerator:
         self.stats.sentences += len(source_lengths)
         return finalized
 
-    def _start(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor) -> "BatchDecoding":
+    def _start(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor) -> BatchDecoding:
         """Encode the batch and start both states. Empty source lines (the appended EOS only)
         get an empty translation without running the decoder; a typed "</s>" is text and gets
         translated, as by SequenceGenerator."""
@@ -217,7 +224,7 @@ class SpeculativeGenerator:
         if drafter is not self.drafter:
             self.stats.batches_without_drafts += 1
         width = int(max_lens.max())
-        if plan.depth and getattr(drafter, "drafts_continuations", False):
+        if plan.depth and drafts_continuations(drafter):
             plan = DraftPlan.chain(width, sample=plan.sample)  # (to the end of the sentence)
         slack = plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
         tokens = src_tokens.new_full((bsz, width + 2 + slack), self.pad)
@@ -242,7 +249,7 @@ class SpeculativeGenerator:
             self._select(batch, rows)
         return batch
 
-    def _iteration_plan(self, batch: "BatchDecoding") -> DraftPlan:
+    def _iteration_plan(self, batch: BatchDecoding) -> DraftPlan:
         """The batch's plan, shrunk near the drafter's position limit (it cannot look past it)
         and, for a drafter of whole continuations, to what is left of the rows' length limits."""
         depth = batch.plan.depth
@@ -250,11 +257,11 @@ class SpeculativeGenerator:
         if batch.longest + depth > batch.position_limit:
             batch.longest = int(rows.lengths[rows.live].max())
             depth = min(depth, max(batch.position_limit - batch.longest, 0))
-        if depth and getattr(batch.drafter, "drafts_continuations", False):
+        if depth and drafts_continuations(batch.drafter):
             depth = min(depth, int((rows.max_lens - rows.lengths)[rows.live].max()))
         return batch.plan if depth == batch.plan.depth else batch.plan.shrink(depth)
 
-    def _commit(self, batch: "BatchDecoding", plan: DraftPlan, tree: DraftTree, logits: Tensor,
+    def _commit(self, batch: BatchDecoding, plan: DraftPlan, tree: DraftTree, logits: Tensor,
                 normalizer: Tensor, path: Tensor, n_accepted: Tensor,
                 next_tokens: Tensor) -> Tensor:  # fmt: skip
         """Append each live row's accepted drafts and next token with their scores, and keep
@@ -284,7 +291,7 @@ class SpeculativeGenerator:
         self.stats.batched_verifier_calls += 1
         return ended & rows.live
 
-    def _finish(self, batch: "BatchDecoding", ended: Tensor) -> None:
+    def _finish(self, batch: BatchDecoding, ended: Tensor) -> None:
         """Finalize the rows that ended. Finished rows stay in the states (their results are
         ignored) until a quarter of them has finished: copying every cache out for each finished
         sentence costs more."""
@@ -302,7 +309,7 @@ class SpeculativeGenerator:
             batch.finished = 0
             self._select(batch, keep)
 
-    def _count(self, rows: "BatchRows", finished_rows: Tensor) -> None:
+    def _count(self, rows: BatchRows, finished_rows: Tensor) -> None:
         """Add the rows that ``finished_rows`` (a mask) marks to the statistics."""
         per_row = (rows.lengths, rows.iterations, rows.accepted, rows.drafted)
         totals = torch.stack([counts[finished_rows].sum() for counts in per_row])
@@ -315,7 +322,7 @@ class SpeculativeGenerator:
     def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator):
         """(path [B, depth] of accepted node indices padded with -1, n_accepted [B],
         next token [B]) under the configured rule, from the block's constrained logits."""
-        return RULES[self.verify].accept(tree, logits, self.settings, self.eos, rng)
+        return RULES[self.verify](tree, logits, self.settings, self.eos, rng)
 
     def _drafting(self, sentences: int) -> Tuple[Drafter, DraftPlan]:
         """(drafter, draft plan) for a batch of this many sentences to translate: no drafts
@@ -326,7 +333,7 @@ class SpeculativeGenerator:
             return self.no_drafter, DraftPlan.chain(0, sample=self.plan.sample)
         return self.drafter, self.plan
 
-    def _select(self, batch: "BatchDecoding", keep: Tensor) -> None:
+    def _select(self, batch: BatchDecoding, keep: Tensor) -> None:
         """Keep only rows ``keep`` of the batch: its per-row tensors and both states."""
         batch.rows.select(keep)
         if batch.rows.sentences:
@@ -344,31 +351,12 @@ class SpeculativeGenerator:
         SequenceGenerator's for a sentence decoded alone)."""
         return self.settings.length_limits(src_lengths, self.max_len)
 
-    def constrain(
-        self, logits: Tensor, lengths: Tensor, depths: Tensor, max_lens: Tensor
-    ) -> Tensor:
-        """Make in ``logits`` [B, W, V] the adjustments SequenceGenerator makes to every step's
-        log-probs, for every block entry at once (the token predicted at an entry of depth d is
-        output step lengths + d), touching only the columns and entries concerned. Returns the
-        log-normaliser [B, W] of the unadjusted distribution: ``logits - normaliser`` are
-        fairseq's adjusted log-probs, and the rules only compare tokens of one entry, which a
-        per-entry shift does not change."""
-        normalizer = torch.logsumexp(logits, dim=-1)
-        broken = normalizer.isnan()
-        if broken.any():  # a NaN logit makes fairseq's log-probs NaN, then -inf, at that step
-            logits[broken] = float("-inf")
-            normalizer = normalizer.masked_fill(broken, 0.0)
-        logits[:, :, self.pad] = float("-inf")
-        if self.settings.unkpen:
-            logits[:, :, self.unk] -= self.settings.unkpen
-        steps = lengths.unsqueeze(1) + depths
-        force_eos = steps.ge(max_lens.unsqueeze(1))
-        if force_eos.any():
-            eos_logits = logits[:, :, self.eos].clone()
-            logits.masked_fill_(force_eos.unsqueeze(2), float("-inf"))
-            logits[:, :, self.eos] = eos_logits
-        logits[:, :, self.eos].masked_fill_(steps.lt(self.settings.min_len), float("-inf"))
-        return normalizer
+    def constrain(self, logits: Tensor, lengths: Tensor, depths: Tensor,
+                  max_lens: Tensor) -> Tensor:  # fmt: skip
+        """fairseq's adjustments (constraints.constrain) of a block's logits [B, W, V], whose
+        entry of depth d predicts output step lengths + d; returns the log-normaliser."""
+        return constrain(logits, lengths.unsqueeze(1) + depths, max_lens, self.settings,
+                         self.eos, self.pad, self.unk)  # fmt: skip
 
     def _hypothesis(self, row_tokens: Tensor, row_scores: Tensor, length) -> Dict:
         length = int(length)
@@ -387,50 +375,3 @@ class SpeculativeGenerator:
     def log_summary(self) -> None:
         if self.stats.sentences:
             logger.info(self.stats.summary())
-
-
-@dataclass
-class BatchRows:
-    """A batch's per-row decoding tensors, one row per state row; ``sentences`` holds each state
-    row's sentence in the batch."""
-
-    sentences: List[int]
-    tokens: Tensor  # [B, T]: BOS, then the verified output
-    token_scores: Tensor  # [B, T - 1]
-    max_lens: Tensor  # [B]
-    lengths: Tensor  # [B] verified output tokens
-    iterations: Tensor
-    accepted: Tensor
-    drafted: Tensor
-    live: Tensor  # [B] bool: not finished
-
-    @classmethod
-    def start(cls, tokens: Tensor, token_scores: Tensor, max_lens: Tensor) -> "BatchRows":
-        lengths = tokens.new_zeros(tokens.size(0))
-        return cls(list(range(tokens.size(0))), tokens, token_scores, max_lens, lengths,
-                   torch.zeros_like(lengths), torch.zeros_like(lengths), torch.zeros_like(lengths),
-                   torch.ones_like(lengths, dtype=torch.bool))  # fmt: skip
-
-    def select(self, keep: Tensor) -> None:
-        """Keep only rows ``keep``, in place."""
-        for name in ("tokens", "token_scores", "max_lens", "lengths", "iterations", "accepted",
-                     "drafted", "live"):  # fmt: skip
-            setattr(self, name, getattr(self, name)[keep])
-        self.sentences = [self.sentences[i] for i in keep.tolist()]
-
-
-@dataclass
-class BatchDecoding:
-    """What decoding one batch carries from iteration to iteration."""
-
-    drafter: Drafter
-    plan: DraftPlan
-    finalized: List[List[Dict]]
-    verifier_state: object
-    drafter_state: object
-    position_limit: int  # the drafter's last position
-    rows: BatchRows
-    finished: int = 0  # rows finished since the states were last compacted
-    # an upper bound of the longest live prefix: the position limit is checked on the device
-    # only when it could be near
-    longest: int = 0

@@ -1,6 +1,7 @@
 """Every acceptance rule, chain and tree, as pure functions on tensors (no models, caches or
-dictionaries), and the ``RULES`` table that the settings, the task's ``--verify`` choices and the
-decoding loop read. A new rule is its functions and one entry in the table.
+dictionaries), and the ``RULES`` table that the decoding loop reads. A new rule is its functions,
+one entry in this table and one in ``settings.VERIFY_RULES`` (the drafts it judges, which the
+settings and the ``--verify`` choices read).
 
 Letters follow the design documents: p is the drafter, q the verifier. A rule looks at the drafts
 and the verifier's scores for ``[pending token, drafts]`` and returns which drafted tokens are
@@ -8,7 +9,7 @@ and the verifier's scores for ``[pending token, drafts]`` and returns which draf
 rejection, or the *bonus* token after a fully accepted path.
 """
 
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -313,14 +314,6 @@ Accept = Callable[[DraftTree, Tensor, object, int, Optional[torch.Generator]],
                   Tuple[Tensor, Tensor, Tensor]]  # fmt: skip
 
 
-class Rule(NamedTuple):
-    accept: Accept
-    sampled_drafts: bool  # drafts drawn from the drafter (else its best tokens)
-    trees: bool  # drafts may branch (else always a chain of block_size)
-    # the tree drawn when no tree flag is given (--tree-branching's form); None: a chain
-    default_branching: Optional[str] = None
-
-
 def _chain_path(tree: DraftTree, n_accepted: Tensor) -> Tensor:
     chain = torch.arange(tree.tokens.size(1), device=tree.tokens.device).expand_as(tree.tokens)
     return torch.where(chain < n_accepted.unsqueeze(1), chain, torch.full_like(chain, -1))
@@ -348,10 +341,4 @@ def _recursive_rejection(tree, logits, settings, eos, generator):
     return recursive_rejection(tree, probs, eos, generator)
 
 
-RULES = {
-    "top_beta": Rule(_top_beta, sampled_drafts=False, trees=True),
-    "sampling": Rule(_speculative_sampling, sampled_drafts=True, trees=False),
-    # RSD-C 3,1: the most tokens per verifier call of the 6-node trees on newstest2013
-    # (BENCHMARKS.md)
-    "rsd": Rule(_recursive_rejection, sampled_drafts=True, trees=True, default_branching="3,1"),
-}
+RULES = {"top_beta": _top_beta, "sampling": _speculative_sampling, "rsd": _recursive_rejection}

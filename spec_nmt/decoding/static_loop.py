@@ -20,9 +20,11 @@ hundred small kernels of an iteration are launched one by one from Python. Here,
 On CUDA the whole iteration (draft, score, accept, commit) is captured once per batch size, source
 length bucket, k and settings, then replayed: one launch instead of hundreds.
 
-It serves the top-beta rule with chains of drafts from the cached drafter, the feature drafter, a
-``StaticDrafter`` (the benchmark's oracle) or none; other rules, trees, --draft-stop, other
-drafters and traces take the dynamic loop (``StaticLoop.serves``).
+It serves the top-beta rule with chains of drafts from a drafter with a static form
+(``Drafter.static_form``: the cached drafter, its CTC form, the feature drafter, the benchmark's
+oracle) or none; other rules, trees, --draft-stop, other drafters and traces take the dynamic
+loop. Whether a batch takes it is decided here, in ``StaticLoop.wanted`` (these settings on
+this device) and ``StaticLoop.serves`` (this batch's drafter and draft plan).
 """
 
 import logging
@@ -37,7 +39,8 @@ from spec_nmt.decoding.host import any_true, host_read
 from spec_nmt.decoding.rules import accept_top_beta
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.decoding.static_decoder import Batch, StaticDecoder
-from spec_nmt.decoding.static_drafters import StaticDrafter, has_static_form, static_drafter
+from spec_nmt.decoding.constraints import constrain
+from spec_nmt.decoding.drafter import StaticDrafter, static_form
 from spec_nmt.decoding.tree import before_any_eos
 from spec_nmt.settings import DecodingSettings, DraftPlan
 
@@ -73,8 +76,9 @@ class StaticLoop:
             self.encoder_layers = scripted_layers.ScriptedLayers(encoder.layers, verifier.project)
         self.settings = settings
         self.eos, self.pad, self.unk = eos, pad, unk
-        # id(drafter) -> (drafter, its static form), the oldest dropped past MAX_DRAFTERS
-        self._drafters: Dict[int, Tuple[object, StaticDrafter]] = {}
+        # id(drafter) -> (drafter, its static form or None), the oldest dropped past
+        # MAX_DRAFTERS
+        self._drafters: Dict[int, Tuple[object, Optional[StaticDrafter]]] = {}
         # per batch shape, its tensors and its graph's replay (the oldest dropped past
         # MAX_GRAPHS: each holds its batch's caches on the device)
         self._captured: Dict[Tuple, Tuple[Batch, object]] = {}
@@ -93,48 +97,44 @@ class StaticLoop:
         self.capture_seconds = 0.0
 
     @staticmethod
-    def may_serve(settings: DecodingSettings, device: torch.device) -> bool:
-        """Whether these settings ask for the static loop on ``device`` (the verifier's) and
-        have a rule and draft shape it serves (whether their drafter does is known per batch:
-        ``serves``)."""
+    def wanted(settings: DecodingSettings, device: torch.device) -> bool:
+        """Whether these settings decode on the static loop on ``device`` (the verifier's):
+        --decoding-loop asks for it there, and it serves their rule and draft shape (whether
+        it serves a batch's drafter is known per batch: ``serves``)."""
         loop = settings.decoding_loop
-        wanted = loop == "static" or (loop == "auto" and device.type == "cuda")
-        return wanted and _rule_and_shape(settings, settings.draft_plan)
+        asked = loop == "static" or (loop == "auto" and device.type == "cuda")
+        return asked and _rule_and_shape(settings, settings.draft_plan)
 
     def current(self) -> bool:
         """Whether the verifier's weights are still those its layers were taken with."""
         return self.verifier.layers.current() and (
             self.encoder_layers is None or self.encoder_layers.current())
 
-    @staticmethod
-    def serves(settings: DecodingSettings, plan: DraftPlan, drafter, verifier: BlockScorer) -> bool:
-        """Whether the static loop decodes with this rule, draft shape, drafter and verifier
-        (``plan.depth`` 0: no drafts, whatever the drafter)."""
-        if not _rule_and_shape(settings, plan) or not scripted_layers.decoder_supported(
-                verifier.decoder):  # fmt: skip
+    def serves(self, plan: DraftPlan, drafter) -> bool:
+        """Whether this loop decodes a batch drafted by ``drafter`` with ``plan`` (depth 0:
+        no drafts, whatever the drafter): the rule and shape, the verifier's decoder and the
+        drafter's static form."""
+        if not _rule_and_shape(self.settings, plan) or not scripted_layers.decoder_supported(
+                self.verifier_scorer.decoder):  # fmt: skip
             return False
-        if plan.depth == 0:
-            return True
-        scorer = getattr(drafter, "scorer", None)
-        if scorer is not None and not scripted_layers.decoder_supported(scorer.decoder):
-            return False  # (int8 products, for one)
-        return has_static_form(drafter)
+        return plan.depth == 0 or self.drafter_for(drafter) is not None
 
-    def drafter_for(self, drafter) -> StaticDrafter:
-        """The static form of ``drafter``, kept per drafter and made again when its weights
-        changed (a drafter in training); the graphs captured with a dropped form go with it."""
+    def drafter_for(self, drafter) -> Optional[StaticDrafter]:
+        """The static form of ``drafter`` (None: it has none), kept per drafter and made again
+        when its weights changed (a drafter in training); the graphs captured with a dropped
+        form go with it."""
         kept = self._drafters.get(id(drafter))  # (kept drafters stay alive: ids stay theirs)
-        if kept is not None and kept[1].current():
+        if kept is not None and (kept[1] is None or kept[1].current()):
             return kept[1]
         if kept is not None:
             self._forget(self._drafters.pop(id(drafter))[1])
         if len(self._drafters) >= MAX_DRAFTERS:
             self._forget(self._drafters.pop(next(iter(self._drafters)))[1])
-        drafts = static_drafter(drafter)
+        drafts = static_form(drafter)
         self._drafters[id(drafter)] = (drafter, drafts)
         return drafts
 
-    def _forget(self, drafts: StaticDrafter) -> None:
+    def _forget(self, drafts: Optional[StaticDrafter]) -> None:
         """Drop the graphs captured with this static form."""
         for key in [key for key in self._captured if key[-1] == id(drafts)]:
             del self._captured[key]
@@ -295,8 +295,9 @@ class StaticLoop:
                                           batch.verifier.keys[0].dtype)
         states = self.verifier.features(batch.verifier, block, positions, positions, bias)
         logits = self.verifier_scorer.output_logits(states)
-        normalizer = self._constrain(logits, positions, batch.max_lens)
         settings = self.settings
+        normalizer = constrain(logits, positions, batch.max_lens, settings, self.eos, self.pad,
+                               self.unk, ask_host=False)  # fmt: skip
         n_accepted, next_tokens = accept_top_beta(draft_tokens, logits, settings.beta,
                                                   settings.tau, self.eos)  # fmt: skip
         emitted, n_emitted, ended = emitted_tokens(draft_tokens, n_accepted, next_tokens, self.eos)
@@ -315,23 +316,6 @@ class StaticLoop:
         batch.drafted.add_(drafted.sum(dim=1) * live)  # as the dynamic loop's tree.valid
         batch.live.logical_and_(~ended)
         batch.going.copy_(batch.live.any().view(1))
-
-    def _constrain(self, logits: Tensor, steps: Tensor, max_lens: Tensor) -> Tensor:
-        """SequenceGenerator's adjustments of every entry's log-probs, as loop.constrain makes
-        them, without asking the host whether any applies (entry [b, i] predicts output step
-        ``steps[b, i]``); returns the unadjusted distribution's log-normaliser [B, W]."""
-        normalizer = torch.logsumexp(logits, dim=-1)
-        broken = normalizer.isnan()  # fairseq's log-probs are NaN there, then -inf
-        logits.masked_fill_(broken.unsqueeze(2), float("-inf"))
-        normalizer = normalizer.masked_fill(broken, 0.0)
-        logits[:, :, self.pad] = float("-inf")
-        settings = self.settings
-        if settings.unkpen:
-            logits[:, :, self.unk] -= settings.unkpen
-        eos_logits = logits[:, :, self.eos].clone()
-        logits.masked_fill_(steps.ge(max_lens.unsqueeze(1)).unsqueeze(2), float("-inf"))
-        logits[:, :, self.eos] = eos_logits.masked_fill(steps.lt(settings.min_len), float("-inf"))
-        return normalizer
 
 
 def _rule_and_shape(settings: DecodingSettings, plan: DraftPlan) -> bool:

@@ -13,7 +13,7 @@ positions after cut c_m and see the prefix entries up to c_m and their own block
 
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from fairseq.models import register_model, register_model_architecture
@@ -21,9 +21,9 @@ from fairseq.models.transformer import TransformerDecoderBase, base_architecture
 from torch import Tensor
 
 from spec_nmt.decoding import block_forward
-from spec_nmt.decoding.linears import PackedLinears
-from spec_nmt.decoding.scorer import BlockScorer, ScorerState, among_real_entries, value_range
-from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, NarDrafter, SpecDrafterModel, score_masks
+from spec_nmt.drafters.cached_drafting import CachedDrafter
+from spec_nmt.drafters.ctc import CtcCachedDrafter
+from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel, score_masks
 from spec_nmt.errors import SpecNmtError
 
 
@@ -165,11 +165,8 @@ class CachedDrafterModel(SpecDrafterModel):
                 "cuts": cuts.view(-1, blocks)}  # fmt: skip
 
     def decoding_adapter(self, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
-        if self.ctc_upsample:
-            from spec_nmt.drafters.ctc import CtcCachedDrafter  # (it imports this module)
-
-            return CtcCachedDrafter(self, pad, eos, vocabulary)
-        return CachedDrafter(self, pad, eos, vocabulary)
+        adapter = CtcCachedDrafter if self.ctc_upsample else CachedDrafter
+        return adapter(self, pad, eos, vocabulary)
 
     @classmethod
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
@@ -232,82 +229,3 @@ def cached_drafter_small(args):
 def cached_drafter_base(args):
     """Pairs with the base verifier (transformer_wmt_en_de: 6 encoder layers, d=512)."""
     cached_drafter_architecture(args)
-
-
-class CachedDrafter(NarDrafter):
-    """The cached drafter (drafters/cached_drafter.py): a NAR drafter on the verifier's encoder
-    output whose causal prefix lives in a KV cache. Each iteration feeds the tokens committed
-    since the last one (causally, kept in the cache) and the k masks (seeing the prefix and each
-    other, dropped again), on the verifier's block scorer."""
-
-    def __init__(self, model, pad: int, eos: int, vocabulary: Optional[Tensor] = None):
-        super().__init__(model, pad, eos, vocabulary)
-        # only the decoder runs: its encoder copy is for training
-        self.scorer = BlockScorer(model, role="the cached drafter (--drafter-path)",
-                                          drafter=True, project=PackedLinears(model.decoder))
-        self._visibility: Dict[Tuple[int, int, torch.device], Tensor] = {}
-
-    def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict,
-              verifier_state: Optional[ScorerState] = None) -> ScorerState:  # fmt: skip
-        return self.scorer.start(net_input, encoder_out=self.in_own_dtype(verifier_encoder_out))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """What its decoder computes in: the verifier's, or bf16 (--drafter-precision)."""
-        return self.scorer.decoder.embed_tokens.weight.dtype
-
-    def in_own_dtype(self, verifier_encoder_out: Dict) -> Dict:
-        """The verifier's encoder output in the drafter's dtype, for its encoder attention."""
-        encoded = verifier_encoder_out["encoder_out"][0]
-        if encoded.dtype == self.dtype:
-            return verifier_encoder_out
-        return dict(verifier_encoder_out, encoder_out=[encoded.to(self.dtype)])
-
-    def position_logits(self, cache: ScorerState, tokens: Tensor, lengths: Tensor, k: int):
-        """Float logits [B, k, D] over the draft columns at the k masks after each row's
-        ``tokens[b, :lengths[b] + 1]``; the prefix entries not yet in the cache join it."""
-        return self._draft_columns(self.mask_logits(cache, tokens, lengths, k))
-
-    def mask_logits(self, cache: ScorerState, tokens: Tensor, lengths: Tensor, k: int):
-        """The output layer's logits [B, k, V] at the k masks after each row's
-        ``tokens[b, :lengths[b] + 1]`` (every column); the prefix entries not yet in the cache
-        join it."""
-        fed = cache.fed_lengths
-        n_new = lengths + 1 - fed  # BOS + prefix entries still to feed, per row
-        fewest, width = value_range(n_new)
-        order = torch.arange(width, device=tokens.device)
-        slots = fed.unsqueeze(1) + order
-        new_tokens = tokens.gather(1, slots.clamp(max=tokens.size(1) - 1))
-        if fewest == width:  # every row feeds as many entries (always at batch 1)
-            depths = torch.arange(width + k, device=tokens.device)
-            visible = self._visibility_pattern(width, k, tokens.device)
-        else:
-            new = order < n_new.unsqueeze(1)
-            new_tokens = torch.where(new, new_tokens, self.pad)
-            masks = n_new.unsqueeze(1) + torch.arange(k, device=tokens.device)
-            depths = torch.cat([order.expand_as(new), masks], dim=1)
-            # new prefix entries: causal among the real ones (so never a mask); masks: every
-            # real new entry and each other; padding entries: only themselves (no empty
-            # attention row)
-            real = torch.cat([new, new.new_ones(tokens.size(0), k)], dim=1)  # [B, entries]
-            visible = among_real_entries(self._visibility_pattern(width, k, tokens.device), real)
-        block = torch.cat([new_tokens, tokens.new_full((tokens.size(0), k), self.mask)], dim=1)
-        logits = self.scorer.score_logits(cache, block, depths, visible, outputs=k)
-        self.scorer.commit(cache, None, n_new)
-        return logits
-
-    def _visibility_pattern(self, width: int, k: int, device: torch.device) -> Tensor:
-        """[1, width + k, width + k]: ``width`` new prefix entries, causal, then k masks that
-        see every entry (built once per shape)."""
-        key = (width, k, device)
-        if key not in self._visibility:
-            column = torch.arange(width + k, device=device)
-            causal = column.unsqueeze(0) <= column.unsqueeze(1)
-            self._visibility[key] = (causal | (column >= width).unsqueeze(1)).unsqueeze(0)
-        return self._visibility[key]
-
-    def commit(self, cache: ScorerState, keep: Optional[Tensor], n_keep: Tensor) -> None:
-        """The accepted tokens join the cache as prefix entries next time."""
-
-    def select_rows(self, cache: ScorerState, rows: Tensor) -> None:
-        self.scorer.select_rows(cache, rows)

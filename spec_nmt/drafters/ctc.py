@@ -17,7 +17,7 @@ from torch import Tensor
 
 from spec_nmt.decoding.scorer import ScorerState
 from spec_nmt.decoding.tree import DraftTree, before_any_eos, chain
-from spec_nmt.drafters.cached_drafter import CachedDrafter
+from spec_nmt.drafters.cached_drafting import CachedDrafter
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DraftPlan
 
@@ -59,9 +59,15 @@ class CtcCachedDrafter(CachedDrafter):
                 "a CTC drafter (--ctc-upsample) drafts greedy chains only: use the lossless or "
                 "top-beta/tau rule without --draft-tree, --beam-tree or --draft-stop"
             )
-        logits = self.mask_logits(state, tokens, lengths, plan.depth * self.upsample)
+        logits = self.mask_logits(state, tokens, lengths, self.mask_slots(plan.depth))
         drafts, filled = self.collapsed_drafts(logits, plan.depth)
         return chain(drafts, valid=filled & before_any_eos(drafts, self.eos))
+
+    def mask_slots(self, k: int) -> int:
+        return k * self.upsample
+
+    def best_drafts(self, logits: Tensor, k: int) -> Tensor:
+        return self.collapsed_drafts(logits, k)[0]
 
     def collapsed_drafts(self, logits: Tensor, k: int) -> Tuple[Tensor, Tensor]:
         """The k drafts [B, k] of the slots' logits [B, N x k, V], PAD in the places the slots
