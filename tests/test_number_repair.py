@@ -27,6 +27,20 @@ from tests.conftest import BUNDLED_MODEL_DIR
         ("am 20.12.2012 um 21:00 Uhr", "on 20.12.2012 at 21:00", []),
         ("am 6. Juni 1944", "on June 6, 1944", []),  # reordered: still kept
         ("von 10 auf 10 Prozent", "from 10 to 11 percent", ["10"]),  # each counted
+        # 24-hour times the model wrote with a.m./p.m. (issue 67, item 3)
+        ("von 11 bis 17 Uhr", "from 11 to 5 p.m.", []),
+        ("von 14 bis 17 Uhr", "from 2 to 5 p.m.", []),
+        ("um 17.30 Uhr", "at 5:30 pm", []),
+        ("um 0 Uhr und um 9 Uhr", "at 12 a.m. and at 9am", []),
+        ("um 17 Uhr", "at 6 p.m.", ["17"]),
+        ("um 17 Uhr", "at 5", ["17"]),  # no p.m.: not that time
+        # units the model converted, within rounding
+        ("10 Meilen", "16 kilometres", []),
+        ("100 km", "62 miles", []),
+        ("100 km", "80 miles", ["100"]),
+        ("30 Grad", "86 degrees Fahrenheit", []),
+        ("2 Meter", "6.5 feet", []),
+        ("2 Meter", "6.5 metres", ["2"]),  # the same unit: the same number
     ],
 )  # fmt: skip
 def test_which_numbers_an_output_keeps(source, output, missing):
@@ -105,6 +119,39 @@ def test_a_dropped_number_is_decoded_again_and_kept_only_if_better():
     assert repair(source, "He was born in June.", close) == "He was born on 6 June 1944."
 
 
+@pytest.mark.parametrize(
+    "source,output,redecoded",
+    [
+        # German copied under the constraints (issue 67, item 3: newstest2014's line 57)
+        ("Die staatliche Mineralölsteuer von 18,4 Cent pro Gallone ist seit 20 Jahren nicht "
+         "gestiegen.", "State Mineralöl's state protein has not risen to 20 years.",
+         "18.4 Cent pro Gallone has not risen to 20 years."),
+        # a name the model copied, cut
+        ("Der YMCA NSW sei zwischen 2009 und 2011 keine sichere Organisation gewesen.",
+         "The YMCA NSW was no safe organisation and 2011.",
+         "The YMCA NS 2011 was between 2009 and 2011 no safe organisation."),
+        # a clause written twice
+        ("„Nichts“, sagte Hasan Ikhrata, der ab 2025 plant.",
+         '"Nothing," said Hasan Ikhrata, executive director.',
+         '"Nothing," said Hasan Ikhrata, executive of 2025, said Hasan Ikhrata, executive.'),
+    ],
+)  # fmt: skip
+def test_a_redecoding_that_is_worse_than_the_model_is_not_taken(source, output, redecoded):
+    redecode = Redecoder(redecoded)
+    assert missing_numbers(source, output) and not missing_numbers(source, redecoded)
+    assert repair(source, output, redecode) == output
+    assert redecode.calls == [source]
+
+
+def test_conversions_are_left_alone():
+    redecode = Redecoder("something else with 17 and 10")
+    pairs = [("Die Kinder helfen von 11 bis 17 Uhr.", "Children help from 11 to 5 p.m."),
+             ("Es sind 10 Meilen.", "It is 16 kilometres.")]
+    for source, output in pairs:
+        assert repair(source, output, redecode) == output
+    assert redecode.calls == []
+
+
 # ----- the bundled pair ---------------------------------------------------------------------
 # Lines whose greedy translation by the bundled pair loses a number (checked below), lines with
 # numbers it keeps, and lines without digits.
@@ -115,6 +162,11 @@ LOSING = [
 ]
 LINES = [LOSING[0], "Der Hund schläft im Garten.", LOSING[1], "",
          "Die Quote stieg auf 7,5 Prozent.", LOSING[2], "Wie geht es dir?"]  # fmt: skip
+# newstest2014 lines whose repair made them worse (issue 67, item 3): the model writes "11 to 5
+# p.m.", and re-decoding the second copies German ("18.4 Cent pro Gallone")
+CONVERTED = "Den Kindern stehen regionale Handwerker von 11 bis 17 Uhr helfend zur Seite."
+COPIED = ("Die staatliche Mineralölsteuer von 18,4 Cent pro Gallone (weniger als 4 Eurocent pro "
+          "Liter) ist seit 20 Jahren nicht gestiegen.")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +187,13 @@ def test_the_api_keeps_every_number_and_touches_nothing_else(translator):
     assert [translator.translate(line) for line in LINES] == repaired
     # a paragraph: its sentences are repaired one by one
     assert translator.translate(" ".join(LOSING)) == " ".join(repaired[i] for i in (0, 2, 5))
+
+
+def test_the_bundled_pair_keeps_right_conversions_and_writes_no_german(translator):
+    converted, copied = translator.translate([CONVERTED, COPIED])
+    raw_converted, raw_copied = translator.translate([CONVERTED, COPIED], keep_numbers=False)
+    assert "5 p.m." in raw_converted and converted == raw_converted
+    assert "Gallone" not in raw_copied and "Gallone" not in copied
 
 
 def test_samples_keep_their_numbers_unless_told_not_to(translator):
