@@ -184,7 +184,8 @@ class Totals:
     lines: int = 0
     sentences: int = 0
     output_tokens: int = 0
-    score_sum: float = 0.0  # of the sentences' scores
+    decoded: int = 0  # sentences decoded (not copied: spec_nmt/symbols.py)
+    score_sum: float = 0.0  # of the decoded sentences' scores
     decoding: DecodingStats = field(default_factory=DecodingStats)
     # spent decoding: not reading (a user typing at a terminal), writing or loading
     seconds: float = 0.0
@@ -202,8 +203,9 @@ class Totals:
         for line in translator.statistics:
             self.sentences += line["sentences"]
             self.output_tokens += line["output_tokens"]
-            if line["sentences"]:  # (a line's score is the mean of its sentences')
-                self.score_sum += line["score"] * line["sentences"]
+            self.decoded += line["decoded"]
+            if line["decoded"]:  # (a line's score is the mean of its decoded sentences')
+                self.score_sum += line["score"] * line["decoded"]
         for name in (f.name for f in fields(DecodingStats)):
             total = getattr(self.decoding, name) + getattr(translator.decoding_stats, name)
             setattr(self.decoding, name, total)
@@ -305,7 +307,7 @@ def report(translator, totals: Totals, args) -> None:
         f"{stats.iterations} iterations)",
         f"drafter: {drafter_used(translator, drafter, stats)}",
         f"{speed}, {counted(torch.get_num_threads(), 'CPU thread')}",
-        f"mean score {totals.score_sum / max(totals.sentences, 1):.3f} (the verifier's "
+        f"mean score {totals.score_sum / max(totals.decoded, 1):.3f} (the verifier's "
         "log-probability per output token, EOS included, in nats)",
     ]
     for line in lines:

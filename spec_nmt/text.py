@@ -1,5 +1,6 @@
-"""Text in and out: paragraphs split into sentences for the models and joined again, lines cut
-to the length the models take, and stdin read so that N lines in give N lines out.
+"""Text in and out: lines cleaned, paragraphs split into sentences for the models and joined
+again, lines cut to the length the models take (and those longer than they were trained on
+named), and stdin read so that N lines in give N lines out.
 
 The models are trained on single sentences, so a line holding several is split before it is
 translated and the translations are joined again with one space: one output line per input line.
@@ -15,6 +16,7 @@ import functools
 import io
 import logging
 import sys
+import unicodedata
 from typing import List, Optional
 
 import torch
@@ -24,6 +26,15 @@ logger = logging.getLogger(__name__)
 
 # sentencepiece's word-start mark
 WORD_START = "\u2581"
+
+
+def clean_line(line: str) -> str:
+    """One line of text: line breaks inside it would split it and control characters mean
+    nothing (both become spaces); invisible format characters such as soft hyphens and
+    zero-width spaces are dropped, since a space would split the word they sit in."""
+    return "".join(
+        "" if unicodedata.category(ch) == "Cf" else ch if ch.isprintable() else " " for ch in line
+    ).strip()
 
 
 def join_pieces(pieces: str) -> str:
@@ -78,6 +89,19 @@ def cut_to_limit(line_tokens: torch.Tensor, limit: int, warn: bool = True) -> to
             "%d tokens", line_tokens.numel() - 1, limit - 1,
         )  # fmt: skip
     return torch.cat([line_tokens[: limit - 1], line_tokens[-1:]])
+
+
+def warn_of_long_sentences(sources: List[torch.Tensor], trained: int) -> None:
+    """One warning for the sentences (token ids, EOS last) of more than ``trained`` pieces: the
+    models never saw so long a sentence, and their translation tends to loop ("the Airports,
+    the Airports, ...")."""
+    lengths = [ids.numel() - 1 for ids in sources if ids.numel() - 1 > trained]
+    if lengths:
+        logger.warning(
+            "%d sentence(s) longer than the %d pieces the models were trained on (the longest: "
+            "%d): so long a translation may repeat itself; split such lines into sentences",
+            len(lengths), trained, max(lengths),
+        )  # fmt: skip
 
 
 def tolerant_stdin(encoding: Optional[str] = None, errors: str = "replace") -> None:

@@ -5,7 +5,7 @@
     translator.translate("Guten Morgen.")
     translator.translate(["Guten Morgen.", "Wie geht es dir? Gut."], batch_size=32)
     translator.sample("Guten Morgen.", temperature=0.7, verify="rsd", tree_branching="2,1,1")
-    translator.statistics  # per line of the last call: sentences, iterations, accepted tokens, ...
+    translator.statistics  # per line of the last call: sentences, decoded, iterations, ...
     translator.decoding_stats  # the last call's totals: drafted, accepted, batches without drafts
 
 Each input line may hold several sentences: it is split into sentences, which are translated in
@@ -25,7 +25,6 @@ before that repair, and for every sentence that kept its numbers.
 import functools
 import logging
 import secrets
-import unicodedata
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -33,6 +32,7 @@ import sentencepiece
 import torch
 from fairseq import checkpoint_utils, utils
 
+from spec_nmt.data_prep import MAX_PIECES
 from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
@@ -48,8 +48,16 @@ from spec_nmt.settings import (
     check_sampling_settings_used,
     samples,
 )
+from spec_nmt.symbols import ForeignCharacters, nothing_to_translate
 from spec_nmt.task import SpecTranslationConfig, SpecTranslationTask
-from spec_nmt.text import cut_to_limit, join_pieces, join_sentences, split_sentences
+from spec_nmt.text import (
+    clean_line,
+    cut_to_limit,
+    join_pieces,
+    join_sentences,
+    split_sentences,
+    warn_of_long_sentences,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +89,7 @@ class SpecTranslator:
         self.drafter_path = drafter_path  # the file the drafter came from (--stats names it)
         self.src_dict, self.tgt_dict = task.source_dictionary, task.target_dictionary
         self.max_source_tokens = task.source_token_limit(verifier, drafter)
+        self.foreign = ForeignCharacters(self._unreadable)
         self.statistics: List[Dict] = []
         # the last call's totals: drafted, accepted, batches decoded without drafts, ...
         self.decoding_stats = DecodingStats()
@@ -225,10 +234,16 @@ class SpecTranslator:
         tokens (with a warning unless not ``warn``)."""
         tokens = []
         for line in lines:
-            pieces = " ".join(self.spm.encode(_clean(line), out_type=str))
+            pieces = " ".join(self.spm.encode(clean_line(line), out_type=str))
             ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=True).long()
             tokens.append(cut_to_limit(ids, self.max_source_tokens, warn))
         return tokens
+
+    def _unreadable(self, character: str) -> bool:
+        """Whether the source side reads ``character`` as <unk> (symbols.py)."""
+        pieces = " ".join(self.spm.encode(character, out_type=str))
+        ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=False)
+        return bool((ids == self.src_dict.unk()).any())
 
     def encode_target(self, text: str) -> torch.Tensor:
         """Target token ids of ``text``, without EOS (a constraint of number repair)."""
@@ -271,26 +286,39 @@ class SpecTranslator:
         # The sentences of all lines in one list; owner[i] is the line of sentence i.
         sentences, owner = [], []
         for index, line in enumerate(lines):
-            text = _clean(line)
+            text = clean_line(line)
             pieces = split_sentences(text, language) if split else [text] if text else []
             sentences.extend(pieces)
             owner.extend([index] * len(pieces))
         remaining = [0] * len(lines)
         for index in owner:
             remaining[index] += 1
-        if progress is not None and remaining.count(0):
-            progress(remaining.count(0))  # blank lines are done already
+        # characters the model cannot read: out of what it reads, back into its translation;
+        # a sentence of nothing else is copied (symbols.py)
+        readable, runs = zip(*map(self.foreign.split, sentences)) if sentences else ((), ())
         translations: List[str] = [""] * len(sentences)
-        statistics = [{} for _ in sentences]
+        statistics = [dict(_NOT_DECODED) for _ in sentences]
+        decoded = []
+        for i, sentence in enumerate(sentences):
+            if nothing_to_translate(readable[i], runs[i]):
+                translations[i] = sentence
+                remaining[owner[i]] -= 1
+            else:
+                decoded.append(i)
+        if progress is not None and remaining.count(0):
+            progress(remaining.count(0))  # blank and copied lines are done already
         numbers = self.number_repair(generator.settings) if keep_numbers else None
         with torch.inference_mode():
-            for indices, sample in self.batches(self.encode(sentences), batch_size):
+            sources = self.encode([readable[i] for i in decoded])
+            warn_of_long_sentences(sources, MAX_PIECES)  # (the recipes' length filter)
+            for positions, sample in self.batches(sources, batch_size):
                 done = 0
-                for i, hypos in zip(indices, generator.generate([self.verifier], sample)):
-                    best = hypos[0]
+                for position, hypos in zip(positions, generator.generate([self.verifier], sample)):
+                    i, best = decoded[position], hypos[0]
                     translations[i] = self.decode(best["tokens"].cpu())
                     if numbers is not None:  # (before progress: a repair may decode again)
-                        translations[i] = numbers(sentences[i], translations[i])
+                        translations[i] = numbers(readable[i], translations[i])
+                    translations[i] = ForeignCharacters.restore(translations[i], runs[i])
                     statistics[i] = {
                         "iterations": best.get("spec_iterations", 0),
                         "accepted_tokens": best.get("spec_accepted_tokens", 0),
@@ -306,25 +334,32 @@ class SpecTranslator:
         outputs = [[] for _ in lines]
         score_sums = [0.0] * len(lines)
         self.statistics = [
-            {"sentences": 0, "iterations": 0, "accepted_tokens": 0, "output_tokens": 0,
-             "score": None}  # fmt: skip
+            {"sentences": 0, "decoded": 0, "iterations": 0, "accepted_tokens": 0,
+             "output_tokens": 0, "score": None}  # fmt: skip
             for _ in lines
         ]
         for i, index in enumerate(owner):
             outputs[index].append(translations[i])
-            score_sums[index] += statistics[i]["score"]
             line_statistics = self.statistics[index]
             line_statistics["sentences"] += 1
+            if statistics[i]["score"] is not None:  # (not a copied sentence)
+                score_sums[index] += statistics[i]["score"]
+                line_statistics["decoded"] += 1
             for key in ("iterations", "accepted_tokens", "output_tokens"):
                 line_statistics[key] += statistics[i][key]
         for line_statistics, score_sum in zip(self.statistics, score_sums):
-            # a line's score is its sentences' mean score (the verifier's log-prob per output
-            # token, EOS included, in nats, with the default lenpen 1); None when blank
-            if line_statistics["sentences"]:
-                line_statistics["score"] = score_sum / line_statistics["sentences"]
+            # a line's score is its decoded sentences' mean score (the verifier's log-prob per
+            # output token, EOS included, in nats, with the default lenpen 1); None when blank
+            # or copied
+            if line_statistics["decoded"]:
+                line_statistics["score"] = score_sum / line_statistics["decoded"]
         self.decoding_stats = generator.stats
         outputs = [join_sentences(pieces) for pieces in outputs]
         return outputs[0] if single else outputs
+
+
+# a sentence's statistics when it is not decoded (copied: symbols.py)
+_NOT_DECODED = {"iterations": 0, "accepted_tokens": 0, "output_tokens": 0, "score": None}
 
 
 def _load_verifier(path: Path, task: SpecTranslationTask):
@@ -352,15 +387,6 @@ def _load_sentencepiece(path: Path, dictionary, dictionary_path: Path):
             "were encoded with into the model directory"
         )
     return model
-
-
-def _clean(line: str) -> str:
-    """One line of text: line breaks inside it would split it and control characters mean
-    nothing (both become spaces); invisible format characters such as soft hyphens and
-    zero-width spaces are dropped, since a space would split the word they sit in."""
-    return "".join(
-        "" if unicodedata.category(ch) == "Cf" else ch if ch.isprintable() else " " for ch in line
-    ).strip()
 
 
 def _to_device(sample: Dict, device: torch.device) -> Dict:

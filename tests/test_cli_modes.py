@@ -281,7 +281,7 @@ class OneSecondTranslator:
     """Translates each line in 1 s of the fake clock, 1 sentence and 4 tokens per line."""
 
     settings = DEFAULTS
-    statistics = [{"sentences": 1, "output_tokens": 4, "score": -0.5}]
+    statistics = [{"sentences": 1, "decoded": 1, "output_tokens": 4, "score": -0.5}]
 
     def __init__(self, clock):
         self.clock = clock
