@@ -33,8 +33,8 @@ is repaired after decoding, in two steps, each only where the one before left a 
    fairseq's lexically constrained beam search, every source number (written the English way)
    a constraint the output must contain; that translation is kept (and substituted into, as in
    1) when it loses fewer numbers and stays faithful to the model's own (``faithful``): it
-   writes no source word the model did not write, drops none the model copied, and repeats no
-   run of words the model did not repeat. Constraints can push the beam into copying German
+   writes no source word the model did not write, drops none the model copied, invents no
+   number, and repeats no run of words the model did not repeat. Constraints can push the beam into copying German
    ("18.4 Cent pro Gallone"), into cutting a name ("YMCA NSW" → "YMCA NS 2011") or into writing
    a clause twice, and a repair must not make a translation worse than the one it repairs. It
    runs one sentence at a time, so the result does not depend on the batch.
@@ -216,13 +216,15 @@ def _repeated_runs(text: str, length: int = 3) -> set:
 def faithful(source: str, output: str, again: str) -> bool:
     """Whether the re-decoding ``again`` may stand in for the model's ``output`` of ``source``:
     it writes no word of the source that ``output`` does not (German copied under the
-    constraints), keeps every word ``output`` copied from the source (names, codes) and repeats
-    no run of three words that ``output`` does not repeat (a clause written twice)."""
+    constraints), keeps every word ``output`` copied from the source (names, codes), writes no
+    number that neither the source nor ``output`` has, and repeats no run of three words that
+    ``output`` does not repeat (a clause written twice)."""
     source_words, output_words, again_words = (set(WORD.findall(text))
                                                for text in (source, output, again))  # fmt: skip
+    invented = {numbers_in(again)[j] for j in _pairs(source, again)[1]} - set(numbers_in(output))
     return not (again_words & source_words) - output_words \
         and not (output_words & source_words) - again_words \
-        and _repeated_runs(again) <= _repeated_runs(output)  # fmt: skip
+        and not invented and _repeated_runs(again) <= _repeated_runs(output)  # fmt: skip
 
 
 def repair(source: str, output: str,

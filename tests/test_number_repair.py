@@ -130,6 +130,10 @@ def test_a_dropped_number_is_decoded_again_and_kept_only_if_better():
         ("Der YMCA NSW sei zwischen 2009 und 2011 keine sichere Organisation gewesen.",
          "The YMCA NSW was no safe organisation and 2011.",
          "The YMCA NS 2011 was between 2009 and 2011 no safe organisation."),
+        # a number neither the source nor the model wrote (newstest2013's line 2566)
+        ("Sie zahlt 662 Rupiah (5 Euro) pro Kilo, seit 1960.",
+         "She pays 662 Rupia (5 euros) for each kilo.",
+         "1960, she pays 662 Rupia (562 Rupia, 5 euros) for each kilo."),
         # a clause written twice
         ("„Nichts“, sagte Hasan Ikhrata, der ab 2025 plant.",
          '"Nothing," said Hasan Ikhrata, executive director.',
