@@ -23,6 +23,7 @@ from spec_nmt.loading import (
     DRAFTER_PRECISION_NAMES,
 )
 from spec_nmt.settings import DEFAULTS, VERIFY_RULES, flag_help, samples
+from spec_nmt.symbols import ForeignCharacters
 from spec_nmt.translator import SpecTranslator
 
 STYLE = """
@@ -116,7 +117,9 @@ def iteration_html(number, record, symbol, block_depth, eos):
 def render(translator, sentences, settings) -> str:
     generator = translator.generator(**settings)
     symbol = translator.tgt_dict.__getitem__
-    tokens = translator.encode(sentences)
+    # what the model reads: the sentence without the characters it cannot (spec_nmt/symbols.py)
+    readable, runs = zip(*map(translator.foreign.split, sentences))
+    tokens = translator.encode(readable)
     sections = []
     for index, sentence in enumerate(sentences):
         _, sample = next(translator.batches([tokens[index]], 1))
@@ -127,10 +130,12 @@ def render(translator, sentences, settings) -> str:
             iteration_html(n + 1, record, symbol, generator.plan.depth, translator.tgt_dict.eos())
             for n, record in enumerate(trace)
         )
+        translation = ForeignCharacters.restore(translator.decode(hypothesis["tokens"]),
+                                                runs[index])  # fmt: skip
         sections.append(
             f"<h2>Sentence {index + 1}</h2>"
             f'<p class="source">{html.escape(sentence)}</p>'
-            f'<p class="translation">{html.escape(translator.decode(hypothesis["tokens"]))}</p>'
+            f'<p class="translation">{html.escape(translation)}</p>'
             f"<p>{len(trace)} iterations (verifier calls), "
             f"{hypothesis.get('spec_accepted_tokens', 0)} accepted drafts, "
             f"{hypothesis['tokens'].numel()} output tokens</p>{iterations}"
