@@ -34,10 +34,11 @@ is repaired after decoding, in two steps, each only where the one before left a 
    a constraint the output must contain; that translation is kept (and substituted into, as in
    1) when it loses fewer numbers and stays faithful to the model's own (``faithful``): it
    writes no source word the model did not write, drops none the model copied, invents no
-   number, and repeats no run of words the model did not repeat. Constraints can push the beam into copying German
-   ("18.4 Cent pro Gallone"), into cutting a name ("YMCA NSW" → "YMCA NS 2011") or into writing
-   a clause twice, and a repair must not make a translation worse than the one it repairs. It
-   runs one sentence at a time, so the result does not depend on the batch.
+   number, and repeats no run of words the model did not repeat. Constraints can push the beam
+   into copying German ("18.4 Cent pro Gallone"), into cutting a name ("YMCA NSW" → "YMCA NS
+   2011") or into writing a clause twice, and a repair must not make a translation worse than
+   the one it repairs. It runs one sentence at a time, so the result does not depend on the
+   batch.
 
 Lines without digits are never touched, and neither is a translation that kept every number.
 """

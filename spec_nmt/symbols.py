@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Tuple
 WORD = re.compile(r"\w+")
 # trailing punctuation of an output: closing marks and sentence ends
 TRAILING_PUNCTUATION = re.compile(r"(.*?)([.!?…:;,\"'»«“”„)\]]*)", re.S)
+# the punctuation around an output word, stripped before it is compared with a source word
+OUTPUT_MARKS = ".,;:!?\"'»«“”„()"
 # where a run stood between a word and punctuation ("Kaffee ☕." read as "Kaffee.")
 SPACE_BEFORE_PUNCTUATION = re.compile(r" ([.,;:!?…)])")
 
@@ -105,15 +107,18 @@ class ForeignCharacters:
     def restore(translation: str, runs: List[Run]) -> str:
         """``translation`` with ``runs`` put back at their place (the module's docstring)."""
         words = translation.split()
-        placed = []  # (position among words, order, run)
+        placed = []  # (position among words, order, run) of the runs inserted as words
         for order, run in enumerate(runs):
+            if run.tail == "punctuation" and words:
+                continue  # joins the last word, below
             if run.tail != "words":
                 position = len(words)
             elif not run.share:
                 position = 0
             else:
+                anchor = run.anchor.casefold()
                 same = [i for i, word in enumerate(words)
-                        if word.strip(".,;:!?\"'»«“”„()").casefold() == run.anchor.casefold()]  # fmt: skip
+                        if word.strip(OUTPUT_MARKS).casefold() == anchor]  # fmt: skip
                 share = min(max(round(run.share * len(words)), 1), len(words))
                 position = same[0] + 1 if len(same) == 1 else share
             placed.append((position, order, run))
@@ -122,9 +127,7 @@ class ForeignCharacters:
                 if run.tail == "punctuation":
                     body, marks = TRAILING_PUNCTUATION.fullmatch(words[-1]).groups()
                     words[-1] = (body + run.text if run.glued else f"{body} {run.text}") + marks
-        for position, _, run in sorted(placed, key=lambda p: (p[0], p[1]), reverse=True):
-            if run.tail == "punctuation" and words:
-                continue
+        for position, _, run in sorted(placed, reverse=True):  # (orders differ: runs unsorted)
             if run.glued and position:
                 words[position - 1] += run.text
             else:

@@ -232,23 +232,22 @@ class SpecTranslator:
     def encode(self, lines: Sequence[str], warn: bool = True) -> List[torch.Tensor]:
         """Source token ids per line; a line longer than the models accept keeps its first
         tokens (with a warning unless not ``warn``)."""
-        tokens = []
-        for line in lines:
-            pieces = " ".join(self.spm.encode(clean_line(line), out_type=str))
-            ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=True).long()
-            tokens.append(cut_to_limit(ids, self.max_source_tokens, warn))
-        return tokens
+        return [cut_to_limit(self._ids(clean_line(line), self.src_dict, append_eos=True),
+                             self.max_source_tokens, warn) for line in lines]  # fmt: skip
+
+    def _ids(self, text: str, dictionary, append_eos: bool) -> torch.Tensor:
+        """``dictionary``'s ids of ``text``'s sentencepiece pieces."""
+        pieces = " ".join(self.spm.encode(text, out_type=str))
+        return dictionary.encode_line(pieces, add_if_not_exist=False, append_eos=append_eos).long()
 
     def _unreadable(self, character: str) -> bool:
         """Whether the source side reads ``character`` as <unk> (symbols.py)."""
-        pieces = " ".join(self.spm.encode(character, out_type=str))
-        ids = self.src_dict.encode_line(pieces, add_if_not_exist=False, append_eos=False)
+        ids = self._ids(character, self.src_dict, append_eos=False)
         return bool((ids == self.src_dict.unk()).any())
 
     def encode_target(self, text: str) -> torch.Tensor:
         """Target token ids of ``text``, without EOS (a constraint of number repair)."""
-        pieces = " ".join(self.spm.encode(text, out_type=str))
-        return self.tgt_dict.encode_line(pieces, add_if_not_exist=False, append_eos=False).long()
+        return self._ids(text, self.tgt_dict, append_eos=False)
 
     def decode(self, token_ids: torch.Tensor) -> str:
         """Target ids → text, removing sentencepiece as fairseq's --bpe sentencepiece does."""

@@ -29,7 +29,8 @@ FOREIGN = ForeignCharacters(lambda ch: ch not in READABLE)
         ("😀 Hallo Welt", "Hallo Welt", "Hello world", "😀 Hello world"),
         ("Kaffee ☕.🍕", "Kaffee.", "Coffee.", "Coffee ☕.🍕"),
         ("Pizza🍕 ist gut", "Pizza ist gut", "Pizza is good", "Pizza🍕 is good"),
-        ("Pizza 🍕 😀 und Kaffee ☕", "Pizza und Kaffee", "pizza and coffee", "pizza 🍕 😀 and coffee ☕"),
+        ("Pizza 🍕 😀 und Kaffee ☕", "Pizza und Kaffee", "pizza and coffee",
+         "pizza 🍕 😀 and coffee ☕"),
         # nothing to put back: the sentence as it is
         ("Guten Morgen.", "Guten Morgen.", "Good morning.", "Good morning."),
     ],
