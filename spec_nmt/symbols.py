@@ -21,7 +21,9 @@ import dataclasses
 import re
 import unicodedata
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Set, Tuple
+
+from spec_nmt.text import WORD_START
 
 WORD = re.compile(r"\w+")
 # trailing punctuation of an output: closing marks and sentence ends
@@ -54,25 +56,39 @@ def nothing_to_translate(readable: str, runs: List[Run]) -> bool:
 
 
 class ForeignCharacters:
-    """Which characters a model cannot read, by ``unreadable(character) -> bool`` (asked once
-    per character), and a sentence's runs of them taken out and put back."""
+    """Which characters a model cannot read: those that no piece of its source dictionary
+    (``readable``: their characters) holds, as its sentencepiece model normalizes them
+    (``normalize``: "ﬁ" is "fi"). Encoding a character alone is no test: a word-start piece such
+    as "▁9" can be missing where "9" inside a word is not. A word with one of them goes whole
+    ("Привет" where "р" and "т" are readable). And a sentence's runs of them taken out and put
+    back."""
 
-    def __init__(self, unreadable: Callable[[str], bool]):
-        self.unreadable = unreadable
-        self._known: Dict[str, bool] = {}
+    def __init__(self, readable: Set[str], normalize: Callable[[str], str] = str):
+        self.readable, self.normalize = readable, normalize
+        self._foreign: Dict[str, bool] = {}
 
     def foreign(self, ch: str) -> bool:
         if ch.isspace():
             return False
-        if ch not in self._known:
-            self._known[ch] = self.unreadable(ch)
-        return self._known[ch]
+        if ch not in self._foreign:
+            normalized = self.normalize(ch).replace(WORD_START, "")
+            self._foreign[ch] = any(c not in self.readable for c in normalized)
+        return self._foreign[ch]
 
-    def _spans(self, sentence: str) -> List[Tuple[int, int]]:
-        """(start, end) of each run: foreign characters, and the spaces between them."""
+    def _marks(self, sentence: str) -> List[bool]:
+        """Per character of ``sentence``, whether it goes: foreign, or in a word with one."""
+        marks = [self.foreign(ch) for ch in sentence]
+        for word in WORD.finditer(sentence):
+            if any(marks[word.start() : word.end()]):
+                marks[word.start() : word.end()] = [True] * (word.end() - word.start())
+        return marks
+
+    @staticmethod
+    def _spans(sentence: str, marks: List[bool]) -> List[Tuple[int, int]]:
+        """(start, end) of each run: marked characters, and the spaces between them."""
         spans, start = [], None
         for i, ch in enumerate(sentence):
-            if self.foreign(ch):
+            if marks[i]:
                 if start is None:
                     start = i
                 end = i + 1
@@ -87,9 +103,10 @@ class ForeignCharacters:
         """``sentence`` without its runs (spaces collapsed, none left before punctuation) and
         the runs."""
         readable, runs, position = "", [], 0
-        for start, end in self._spans(sentence):
+        marks = self._marks(sentence)
+        for start, end in self._spans(sentence, marks):
             readable += sentence[position:start]
-            rest = "".join(ch for ch in sentence[end:] if not self.foreign(ch))
+            rest = "".join(ch for ch, mark in zip(sentence[end:], marks[end:]) if not mark)
             tail = "end" if not sentence[end:].strip() else \
                 "punctuation" if _is_punctuation_or_space(rest) else "words"  # fmt: skip
             words = WORD.findall(readable)

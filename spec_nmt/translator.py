@@ -89,7 +89,8 @@ class SpecTranslator:
         self.drafter_path = drafter_path  # the file the drafter came from (--stats names it)
         self.src_dict, self.tgt_dict = task.source_dictionary, task.target_dictionary
         self.max_source_tokens = task.source_token_limit(verifier, drafter)
-        self.foreign = ForeignCharacters(self._unreadable)
+        # characters the source side cannot read: kept out of it (symbols.py)
+        self.foreign = ForeignCharacters(set("".join(_pieces(self.src_dict))), spm_model.normalize)
         self.statistics: List[Dict] = []
         # the last call's totals: drafted, accepted, batches decoded without drafts, ...
         self.decoding_stats = DecodingStats()
@@ -240,11 +241,6 @@ class SpecTranslator:
         pieces = " ".join(self.spm.encode(text, out_type=str))
         return dictionary.encode_line(pieces, add_if_not_exist=False, append_eos=append_eos).long()
 
-    def _unreadable(self, character: str) -> bool:
-        """Whether the source side reads ``character`` as <unk> (symbols.py)."""
-        ids = self._ids(character, self.src_dict, append_eos=False)
-        return bool((ids == self.src_dict.unk()).any())
-
     def encode_target(self, text: str) -> torch.Tensor:
         """Target token ids of ``text``, without EOS (a constraint of number repair)."""
         return self._ids(text, self.tgt_dict, append_eos=False)
@@ -368,6 +364,13 @@ def _load_verifier(path: Path, task: SpecTranslationTask):
     return verifier
 
 
+def _pieces(dictionary) -> List[str]:
+    """The dictionary's entries that are text pieces: not its special symbols, [MASK] or
+    fairseq's padding words."""
+    return [w for w in dictionary.symbols[dictionary.nspecial :]
+            if w != MASK_SYMBOL and not w.startswith("madeupword")]  # fmt: skip
+
+
 def _load_sentencepiece(path: Path, dictionary, dictionary_path: Path):
     """The sentencepiece model, refused when the dictionary was not built from its pieces (most
     input would become <unk>)."""
@@ -376,8 +379,7 @@ def _load_sentencepiece(path: Path, dictionary, dictionary_path: Path):
     except (OSError, RuntimeError) as error:
         raise SpecNmtError(f"{path} is not a readable sentencepiece model ({error})") from error
     pieces = {model.id_to_piece(i) for i in range(model.get_piece_size())}
-    words = [w for w in dictionary.symbols[dictionary.nspecial :]
-             if w != MASK_SYMBOL and not w.startswith("madeupword")]  # fmt: skip
+    words = _pieces(dictionary)
     known = sum(word in pieces for word in words)
     if known < 0.9 * len(words):
         raise SpecNmtError(
