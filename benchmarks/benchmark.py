@@ -85,7 +85,7 @@ fairseq time from the same process.
 import argparse
 from pathlib import Path
 
-import spec_nmt  # noqa: F401  isort: skip  (first: it imports fairseq without its INFO hints)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
 import torch
 from ceiling import block_cost, ceiling
 from common import beam_shape, comma_list, setting, stopped_chain
@@ -98,13 +98,13 @@ from speed_quality import run, sweep
 from static_cost import static_cost
 
 from spec_nmt.decoding.static_loop import COMPILE_MODES
-from spec_nmt.loading import (
+from spec_nmt.options import (
+    DEFAULT_BATCH_SIZE,
     DEFAULT_DRAFTER_PRECISION,
     DRAFTER_PRECISION_HELP,
     DRAFTER_PRECISION_NAMES,
 )
 from spec_nmt.settings import DEFAULTS, REFERENCE_TOP_BETA
-from spec_nmt.translator import DEFAULT_BATCH_SIZE
 
 
 def common_flags() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # first: it imports fairseq without its INFO hints, registers the task and model and lets fairseq
 # checkpoints load
-import spec_nmt  # noqa: F401  isort: skip
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
 import sacrebleu
 import torch
 from fairseq.search import Sampling

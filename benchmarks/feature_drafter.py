@@ -18,13 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-import spec_nmt  # noqa: F401  isort: skip  (first: it imports fairseq without its INFO hints)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
 import torch
 from fairseq import checkpoint_utils
 from fairseq.dataclass.configs import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import spec_nmt  # noqa: E402,F401  (registers the model)
 from spec_nmt.decoding.block_forward import position_table  # noqa: E402
 from common import cpu_model  # noqa: E402
 

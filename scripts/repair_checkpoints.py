@@ -51,7 +51,7 @@ def cut_short(path: Path) -> bool:
 def load(path: Path) -> dict:
     """fairseq's checkpoint on the CPU (importing spec_nmt lets torch.load read fairseq
     checkpoints; an unreadable one raises SpecNmtError naming it)."""
-    import spec_nmt  # noqa: F401
+    import spec_nmt.plugin  # noqa: F401
     from fairseq import checkpoint_utils
 
     return checkpoint_utils.load_checkpoint_to_cpu(str(path))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from spec_nmt.loading import (
+from spec_nmt.options import (
     DEFAULT_DRAFTER_PRECISION,
     DRAFTER_PRECISION_HELP,
     DRAFTER_PRECISION_NAMES,

@@ -18,8 +18,6 @@ import logging
 import os
 import sys
 
-import torch
-
 from spec_nmt.errors import SpecNmtError
 
 logger = logging.getLogger(__name__)
@@ -42,6 +40,8 @@ def check_threads(threads, name: str = "threads") -> int:
 
 def use_threads(threads: int, name: str = "threads") -> None:
     """Let torch use ``threads`` threads per operation, in the whole process, from now on."""
+    import torch  # here, not above: the command line checks --threads before torch loads
+
     torch.set_num_threads(check_threads(threads, name))
 
 
@@ -59,6 +59,8 @@ def announce_kernel_timing(device) -> None:
     version, thread count) times its product kernels, which pauses it for seconds: after it the
     record exists (spec_nmt/decoding/linears.py) and this says nothing. Only to a person at a
     terminal, who would wonder at the pause: logs and piped output stay as they were."""
+    import torch
+
     from spec_nmt.decoding import linears
 
     if not sys.stderr.isatty() or torch.device(device).type != "cpu":

@@ -7,9 +7,10 @@ shape happen here, once.
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
-from torch import Tensor
+if TYPE_CHECKING:  # torch is not imported here: the command line parses with these settings
+    from torch import Tensor
 
 from spec_nmt.errors import SpecNmtError
 
@@ -306,7 +307,7 @@ class DecodingSettings:
             )
         return DraftPlan(beam_width=width, beam_depth=self.block_size, sample=rule.sampled)
 
-    def length_limits(self, source_lengths: Tensor, max_positions: int) -> Tensor:
+    def length_limits(self, source_lengths: "Tensor", max_positions: int) -> "Tensor":
         """Each sentence's output length limit [B], max_len_a * its source length + max_len_b
         in SequenceGenerator's arithmetic (a double, truncated), at most ``max_positions`` - 1,
         computed where ``source_lengths`` [B] lie (on the device: no wait for the host)."""

@@ -31,16 +31,14 @@ from spec_nmt.drafters.cached_drafter import CachedDrafterModel
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel
 from spec_nmt.drafters.training_batches import drafter_sample, unwrapped
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import (
+from spec_nmt.loading import load_decoding_drafter, read_checkpoint, with_mask
+from spec_nmt.options import (
     DEFAULT_DRAFTER,
     DEFAULT_DRAFTER_PRECISION,
     DRAFTER_CHOICES,
     DRAFTER_HELP,
     DRAFTER_PRECISION_HELP,
     DRAFTER_PRECISION_NAMES,
-    load_decoding_drafter,
-    read_checkpoint,
-    with_mask,
 )
 from spec_nmt.runtime import THREADS_HELP, announce_kernel_timing, use_threads_unless_set
 from spec_nmt.settings import (

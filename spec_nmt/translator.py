@@ -28,6 +28,7 @@ import secrets
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import sentencepiece
 import torch
 from fairseq import checkpoint_utils, utils
@@ -37,8 +38,9 @@ from spec_nmt.decoding.loop import DecodingStats, SpeculativeGenerator
 from spec_nmt.decoding.scorer import BlockScorer
 from spec_nmt.drafters.spec_drafter import MASK_SYMBOL
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.loading import DEFAULT_DRAFTER, DEFAULT_DRAFTER_PRECISION, load_decoding_drafter
+from spec_nmt.loading import load_decoding_drafter
 from spec_nmt.number_repair import ConstrainedRedecoder, repair
+from spec_nmt.options import DEFAULT_BATCH_SIZE, DEFAULT_DRAFTER, DEFAULT_DRAFTER_PRECISION
 from spec_nmt.runtime import DEFAULT_THREADS, announce_kernel_timing, use_threads
 from spec_nmt.settings import (
     DEFAULTS,
@@ -60,8 +62,6 @@ from spec_nmt.text import (
 )
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BATCH_SIZE = 64
 
 
 def device_drafter(model_dir: Path, device: str) -> Path:

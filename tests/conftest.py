@@ -120,6 +120,9 @@ def fairseq_in_process(tool, *args) -> str:
     test_sampling_cli, test_bad_input...). Batches are loaded in this process (--num-workers 0):
     a loader's worker process would outlive the call until a garbage collection waits it out."""
     cli = importlib.import_module(f"fairseq_cli.{tool}")
+    # --user-dir imports spec_nmt only where no module of it is imported yet, as in a process of
+    # its own: here another test may have imported one, so the plugin registers as it would
+    importlib.import_module("spec_nmt.plugin")
     output = io.StringIO()
     handler, root = logging.StreamHandler(output), logging.getLogger()
     handler.setFormatter(logging.Formatter(FAIRSEQ_LOG_FORMAT, FAIRSEQ_DATE_FORMAT))

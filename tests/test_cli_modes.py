@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from spec_nmt import cli as translate_cli
-from spec_nmt import loading
+from spec_nmt import cli_session, loading
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.settings import DEFAULTS
 from spec_nmt.translator import SpecTranslator
@@ -29,6 +29,32 @@ def cli(*args, stdin=None):
         input=stdin, capture_output=True, text=isinstance(stdin, str), cwd=REPO, timeout=300,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     )  # fmt: skip
+
+
+LOADS_NOTHING_HEAVY = """
+import sys
+from spec_nmt import cli
+from spec_nmt.errors import SpecNmtError
+try:
+    cli.main(sys.argv[1:])
+except (SystemExit, SpecNmtError) as stop:
+    print(type(stop).__name__, file=sys.stderr)
+print(sorted({"torch", "fairseq", "ctranslate2"} & set(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize(
+    "args, ending",
+    [(["--help"], "SystemExit"), ([str(BUNDLED_MODEL_DIR), "--threads", "0"], "SpecNmtError"),
+     ([str(BUNDLED_MODEL_DIR), "--verify", "nope"], "SystemExit")],
+)  # fmt: skip
+def test_help_and_argument_errors_load_neither_torch_nor_fairseq(args, ending):
+    """--help and a refused flag answer in a fraction of a second (issue 67): the parser's
+    modules import nothing heavy, and the models' modules load only after the check."""
+    done = subprocess.run([sys.executable, "-c", LOADS_NOTHING_HEAVY, *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert done.stderr.split()[-1] == ending, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
 
 
 def run_main(capsys, *args):
@@ -228,7 +254,7 @@ def test_the_progress_bar_shows_for_a_few_lines_once_decoding_takes_long(capsys,
     with the delay at 0 it shows for 3 lines."""
     path = tmp_path / "in.de"
     path.write_text("\n".join(LINES) + "\n")
-    monkeypatch.setattr(translate_cli, "PROGRESS_DELAY_S", 0)
+    monkeypatch.setattr(cli_session, "PROGRESS_DELAY_S", 0)
     out, err = run_main(capsys, "--input", path)
     assert len(out) == len(LINES) and "3/3" in err
     _, err = run_main(capsys, "--input", path, "--quiet")
@@ -285,7 +311,7 @@ class OneSecondTranslator:
 
     def __init__(self, clock):
         self.clock = clock
-        self.decoding_stats = translate_cli.DecodingStats()
+        self.decoding_stats = cli_session.DecodingStats()
 
     def translate(self, line, split_sentences=True, keep_numbers=True):
         self.clock.now += 1.0
@@ -294,13 +320,13 @@ class OneSecondTranslator:
 
 def test_the_closing_summary_counts_decoding_time_not_typing_time(capsys, monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(translate_cli.time, "perf_counter", clock)
+    monkeypatch.setattr(cli_session.time, "perf_counter", clock)
     monkeypatch.setattr(sys, "stdin", TypedLines(clock, ["eins", "zwei"]))
     args = translate_cli.parse_args([str(BUNDLED_MODEL_DIR), "--quiet"])
-    translator, totals = OneSecondTranslator(clock), translate_cli.Totals()
-    translate_cli.translate_typed_lines(translator, args, totals)
+    translator, totals = OneSecondTranslator(clock), cli_session.Totals()
+    cli_session.translate_typed_lines(translator, args, totals)
     args.quiet = False
-    translate_cli.report(translator, totals, args)
+    cli_session.report(translator, totals, args)
     out, err = capsys.readouterr()
     assert out.splitlines() == ["EINS", "ZWEI"]
     assert "8 target tokens in 2.0 s of decoding: 1.0 sentences/s, 4 tokens/s" in err

@@ -7,7 +7,7 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
-from spec_nmt import loading
+from spec_nmt import loading, options
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.loading import INT8_LAYERS
 from spec_nmt.settings import DEFAULTS
@@ -216,7 +216,7 @@ def test_drafter_precision_decides_by_device_dtype_drafter_and_cpu(monkeypatch, 
     bf16 and int8 elsewhere are refused (bf16 also for other drafters), and so is a precision
     that does not exist."""
     monkeypatch.setattr(loading, "native_bf16", lambda: native)
-    if decided not in loading.DRAFTER_PRECISION_NAMES:
+    if decided not in options.DRAFTER_PRECISION_NAMES:
         with pytest.raises(SpecNmtError, match=re.escape(decided)):
             loading.drafter_precision(precision, device, dtype, cached)
     else:
