@@ -85,7 +85,7 @@ fairseq time from the same process.
 import argparse
 from pathlib import Path
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import torch
 from ceiling import block_cost, ceiling
 from common import beam_shape, comma_list, setting, stopped_chain

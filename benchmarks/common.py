@@ -15,7 +15,7 @@ from pathlib import Path
 
 # first: it imports fairseq without its INFO hints, registers the task and model and lets fairseq
 # checkpoints load
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip
 import sacrebleu
 import torch
 from fairseq.search import Sampling
@@ -125,9 +125,21 @@ def now() -> float:
     return time.perf_counter()
 
 
-def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
+def look_ahead(systems, samples) -> None:
+    """Tell every speculative system the batches it decodes next, as the translator does (the
+    twin drafts first continuations for several sentences at once), each with a drafter state
+    of its own: systems that share the pair's twin would otherwise share its drafts ahead."""
+    for generator in systems.values():
+        if isinstance(generator, SpeculativeGenerator):
+            if hasattr(generator.drafter, "draft_ahead"):
+                generator.drafter = copy.copy(generator.drafter)  # (draft_ahead resets its own)
+            generator.look_ahead(samples)
+
+
+def decode_all(pair, systems, tokens, batch_size, rotation_offset=0, ahead=True):
     """Run every system on every batch, rotating the order per batch. Returns per system:
-    outputs (token tensors by line), seconds in total, and speculative statistics."""
+    outputs (token tensors by line), seconds in total, and speculative statistics. ``ahead``:
+    the systems are told the batches first (``look_ahead``)."""
     results = {name: {"tokens": [None] * len(tokens), "seconds": 0.0} for name in systems}
     for name, generator in systems.items():
         if isinstance(generator, SpeculativeGenerator):
@@ -135,8 +147,11 @@ def decode_all(pair, systems, tokens, batch_size, rotation_offset=0):
     names = list(systems)
     if not names:
         return results
+    batches = list(pair.batches(tokens, batch_size))
+    if ahead:
+        look_ahead(systems, [sample for _, sample in batches])
     with torch.inference_mode():
-        for batch_number, (lines, sample) in enumerate(pair.batches(tokens, batch_size)):
+        for batch_number, (lines, sample) in enumerate(batches):
             rotation = (batch_number + rotation_offset) % len(names)
             for name in names[rotation:] + names[:rotation]:
                 start = now()
@@ -229,8 +244,9 @@ def batch1_seconds(pair, systems, tokens, untimed=0, accepted=None):
     speculative = [name for name, system in systems.items()
                    if isinstance(system, SpeculativeGenerator)]  # fmt: skip
     counts = {name: [0, 0] for name in speculative}  # accepted drafts, iterations
+    look_ahead(systems, [sample for line in tokens for _, sample in pair.batches([line], 1)])
     for i, line_tokens in enumerate(tokens):
-        one = decode_all(pair, systems, [line_tokens], 1, rotation_offset=i)
+        one = decode_all(pair, systems, [line_tokens], 1, rotation_offset=i, ahead=False)
         if i >= untimed:
             for name in systems:
                 seconds[name] += one[name]["seconds"]

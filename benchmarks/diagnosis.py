@@ -14,7 +14,7 @@ import unicodedata
 from collections import defaultdict
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import torch
 from common import environment, greedy_alone, load_inputs, oracle, speculating, write_result
 

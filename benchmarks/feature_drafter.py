@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import torch
 from fairseq import checkpoint_utils
 from fairseq.dataclass.configs import GenerationConfig

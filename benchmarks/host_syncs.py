@@ -9,7 +9,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import torch
 from common import (
     environment,

@@ -5,7 +5,7 @@ import itertools
 import json
 from pathlib import Path
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import torch
 from common import (
     MAX_LEN_A,

@@ -6,7 +6,7 @@ Then torch's profiler times the device's work of a few eager iterations per syst
 operations that take the most device time, and their sum against an iteration's time, which
 says whether an iteration is bound by its kernels or by launching them."""
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import torch
 from common import (
     environment,

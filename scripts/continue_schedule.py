@@ -16,7 +16,7 @@ import argparse
 import ast
 from pathlib import Path
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 from fairseq import checkpoint_utils, tasks
 
 # (importing spec_nmt also lets torch.load read fairseq checkpoints)

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import sentencepiece
 
 from spec_nmt.data_prep import (

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import torch
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary, data_utils

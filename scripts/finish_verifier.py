@@ -21,7 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 import sacrebleu
 import sentencepiece
 from fairseq import checkpoint_utils

@@ -16,7 +16,7 @@ draft vocabulary, so the drafter can be trained further:
 import argparse
 from pathlib import Path
 
-import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq without its INFO hints, and the plugin registered)
+import spec_nmt.plugin  # noqa: F401  isort: skip  (first: fairseq quiet, the plugin registered)
 from fairseq import checkpoint_utils
 
 # (importing spec_nmt also lets torch.load read fairseq checkpoints)

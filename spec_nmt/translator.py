@@ -306,7 +306,9 @@ class SpecTranslator:
         with torch.inference_mode():
             sources = self.encode([readable[i] for i in decoded])
             warn_of_long_sentences(sources, MAX_PIECES)  # (the recipes' length filter)
-            for positions, sample in self.batches(sources, batch_size):
+            batches = list(self.batches(sources, batch_size))
+            generator.look_ahead([sample for _, sample in batches])
+            for positions, sample in batches:
                 done = 0
                 for position, hypos in zip(positions, generator.generate([self.verifier], sample)):
                     i, best = decoded[position], hypos[0]

@@ -63,13 +63,17 @@ def perturbed(model, scale=0.05, seed=0):
 
 
 @torch.no_grad()
-def decode_with(task, verifier, drafter, batch_size, **settings):
-    """(tokens per sentence id, the generator's stats) of speculative decoding."""
+def decode_with(task, verifier, drafter, batch_size, look_ahead=False, **settings):
+    """(tokens per sentence id, the generator's stats) of speculative decoding; ``look_ahead``:
+    the generator is told the batches to come first, as the translator tells it."""
     settings = DecodingSettings(max_len_a=0, max_len_b=MAX_LEN_B, **settings)
     generator = SpeculativeGenerator(BlockScorer(verifier), drafter, task.target_dictionary,
                                      settings)  # fmt: skip
     found = {}
-    for sample in batches(task, batch_size):
+    samples = batches(task, batch_size)
+    if look_ahead:
+        generator.look_ahead(samples)
+    for sample in samples:
         for sentence, hypos in zip(sample["id"].tolist(), generator.generate(None, sample)):
             found[sentence] = hypos[0]["tokens"].tolist()
     return found, generator.stats
@@ -106,9 +110,95 @@ def test_twin_drafts_give_stock_greedy_output(toy_pair, tmp_path, batch_size, tw
         assert disagreements > 2 * stats.sentences
 
 
+class CountedCalls:
+    """A twin engine that records each call: (rows, whether any row had a prefix)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def continuations(self, sources, prefixes, max_length):
+        self.calls.append((len(sources), any(prefixes)))
+        return self.engine.continuations(sources, prefixes, max_length)
+
+
+@pytest.mark.parametrize("twin_kind", ["own", "perturbed"])
+def test_first_drafts_for_sentences_to_come_are_made_several_at_a_time(toy_pair, tmp_path,
+                                                                       twin_kind):  # fmt: skip
+    """Told the batches to come, the twin drafts the first continuation of DRAFT_AHEAD_ROWS
+    sentences in one call at batch 1 (cheaper per token), and the output stays stock greedy."""
+    task, verifier = toy_pair
+    twin = twin_of(verifier if twin_kind == "own" else perturbed(verifier, scale=0.5), task,
+                   tmp_path)  # fmt: skip
+    twin.engine = CountedCalls(twin.engine)
+    found, stats = decode_with(task, verifier, twin, 1, look_ahead=True, max_draft_batch=0)
+    assert found == stock_greedy(task, verifier, 1)
+    first = [rows for rows, prefixed in twin.engine.calls if not prefixed]
+    full, rest = divmod(stats.sentences, twin_drafter.DRAFT_AHEAD_ROWS)
+    assert first == [twin_drafter.DRAFT_AHEAD_ROWS] * full + ([rest] if rest else [])
+    assert len(twin.engine.calls) - len(first) == stats.iterations - stats.sentences
+    # what a relaxed rule decodes depends on its drafts: never on the sentences after it
+    twin.engine.calls.clear()
+    relaxed, _ = decode_with(task, verifier, twin, 1, look_ahead=True, max_draft_batch=0,
+                             beta=3, tau=1.0)  # fmt: skip
+    assert [rows for rows, prefixed in twin.engine.calls if not prefixed] == [1] * len(relaxed)
+
+
+def test_sentences_other_than_those_announced_are_drafted_as_they_come(toy_pair, tmp_path):
+    """Drafts ahead for sentences that are not decoded next are dropped, not trusted: another
+    batch gets its own drafts, and the queue of sentences to come is emptied."""
+    task, verifier = toy_pair
+    twin = twin_of(perturbed(verifier, scale=0.5), task, tmp_path)
+    samples = batches(task, 1)
+    settings = DecodingSettings(max_len_a=0, max_len_b=MAX_LEN_B, max_draft_batch=0)
+    generator = SpeculativeGenerator(BlockScorer(verifier), twin, task.target_dictionary,
+                                     settings)  # fmt: skip
+    stock = dict(zip(range(len(samples)), stock_greedy(task, verifier, 1).values()))
+    generator.look_ahead(samples[5:])
+    with torch.no_grad():
+        for sample in samples[:3] + samples[5:7]:
+            (hypos,) = generator.generate(None, sample)
+            assert hypos[0]["tokens"].tolist() == stock_greedy_of(task, verifier, sample)
+    assert not twin._upcoming or len(twin._upcoming) < len(samples) - 7
+
+
+def stock_greedy_of(task, verifier, sample):
+    stock = SequenceGenerator([verifier], task.target_dictionary, beam_size=1,
+                              max_len_b=MAX_LEN_B)  # fmt: skip
+    with torch.no_grad():
+        return stock.generate([verifier], sample)[0][0]["tokens"].tolist()
+
+
+def test_a_prefix_read_in_one_pass_gives_the_continuation_of_plain_greedy_decoding(toy_pair,
+                                                                                   tmp_path):
+    """The twin reads a verified prefix in one decoder pass (CTranslate2's alternatives mode):
+    the continuation is the one that forcing the prefix step by step gives, also after a
+    token the twin would not have chosen (a correction), except where that one ends at once:
+    then the first draft is one the verifier rejects, and the round ends with its EOS."""
+    task, verifier = toy_pair
+    twin = twin_of(perturbed(verifier, scale=0.5), task, tmp_path)
+    translator = ctranslate2.Translator(str(twin.directory), compute_type="int8")
+    sources = [twin._pieces(sample["net_input"]["src_tokens"][0].tolist())
+               for sample in batches(task, 1)[:20]]  # fmt: skip
+    own = [r.hypotheses[0] for r in translator.translate_batch(sources, beam_size=1)]
+    symbols = task.target_dictionary.symbols[task.target_dictionary.nspecial :]
+    prefixes = [hypothesis[: len(hypothesis) // 2] + [symbols[i % len(symbols)]]
+                for i, hypothesis in enumerate(own)]  # fmt: skip
+    stepwise = [r.hypotheses[0] for r in translator.translate_batch(
+        sources, target_prefix=prefixes, beam_size=1, max_decoding_length=MAX_LEN_B)]
+    found = twin_drafter.greedy_continuations(translator, sources, prefixes, MAX_LEN_B)
+    ends_at_once = [len(hypothesis) == len(prefix) for hypothesis, prefix in zip(stepwise,
+                                                                               prefixes)]
+    assert 0 < sum(ends_at_once) < len(prefixes)
+    for one_pass, hypothesis, prefix, ends in zip(found, stepwise, prefixes, ends_at_once):
+        if ends:  # the alternatives mode never ends at its first position: a draft to reject
+            assert one_pass[: len(prefix)] == prefix and len(one_pass) > len(prefix)
+        else:
+            assert one_pass == hypothesis
+
+
 class DraftsByHand:
-    """Greedy continuations asked of CTranslate2 here, outside the twin drafter: what the twin
-    should draft, for comparison."""
+    """Greedy continuations asked of CTranslate2 here, outside the twin drafter, one sentence
+    and one call at a time: what the twin should draft, for comparison."""
 
     drafts_continuations = True
 
@@ -128,9 +218,9 @@ class DraftsByHand:
             if prefix and prefix[-1] == self.dictionary.eos_word:  # finished
                 drafts.append([])
                 continue
-            (result,) = self.translator.translate_batch([source], target_prefix=[prefix],
-                                                        beam_size=1, max_decoding_length=200)
-            continuation = result.hypotheses[0][len(prefix) :][: plan.depth]
+            (hypothesis,) = twin_drafter.greedy_continuations(self.translator, [source],
+                                                              [prefix], 200)  # fmt: skip
+            continuation = hypothesis[len(prefix) :][: plan.depth]
             drafts.append([self.dictionary.index(piece) for piece in continuation])
         width = max(map(len, drafts))
         block = torch.full((len(drafts), width), self.dictionary.pad())
@@ -260,6 +350,7 @@ def test_the_bundled_pair_with_its_twin_gives_stock_greedy_output(bundled, batch
                               max_len_b=10)  # fmt: skip
     generator = bundled.generator(max_draft_batch=0)  # (by default the twin drafts up to 4)
     assert generator.drafter is bundled.drafter.twin
+    samples = []
     for start in range(0, len(lines), batch_size):
         rows = [torch.tensor([dictionary.index(p) for p in line] + [dictionary.eos()])
                 for line in pieces[start : start + batch_size]]
@@ -271,6 +362,9 @@ def test_the_bundled_pair_with_its_twin_gives_stock_greedy_output(bundled, batch
             sample["net_input"]["src_tokens"] = torch.stack([
                 torch.cat([r.new_full((src.size(1) - len(r),), dictionary.pad()), r])
                 for r in rows])  # fmt: skip
+        samples.append(sample)
+    generator.look_ahead(samples)  # (as the translator does: first drafts made ahead)
+    for sample in samples:
         with torch.no_grad():
             expected = [h[0]["tokens"].tolist() for h in stock.generate([bundled.verifier],
                                                                          sample)]

@@ -17,7 +17,7 @@ the verifier decodes it alone on the same loop.
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -182,6 +182,25 @@ class SpeculativeGenerator:
             self._finish(batch, ended)
         self.stats.sentences += src_tokens.size(0)
         return batch.finalized
+
+    def look_ahead(self, samples: Sequence[Dict]) -> None:
+        """The batches this generator decodes next (fairseq samples, in order): a drafter that
+        drafts ahead (``draft_ahead``: the twin, cheaper per sentence for several at once) is
+        given the sentences of those it drafts for. Not under the relaxed rule, whose output
+        the drafts decide: it would depend on the sentences that come after."""
+        draft_ahead = getattr(self.drafter, "draft_ahead", None)
+        if draft_ahead is None or self.settings.relaxed:
+            return
+        sources, limits = [], []
+        for sample in samples:
+            src_tokens = sample["net_input"]["src_tokens"]
+            src_lengths = sample["net_input"]["src_lengths"]
+            if self._drafting(src_tokens.size(0))[0] is self.drafter:
+                rows = (src_lengths > 1).tolist()  # (an empty line is not decoded)
+                sources.extend(row for row, kept in zip(src_tokens.tolist(), rows) if kept)
+                limits.extend(limit for limit, kept in
+                              zip(self._max_lengths(src_lengths).tolist(), rows) if kept)
+        draft_ahead(sources, limits)
 
     def _generate_static(self, net_input: Dict, src_lengths: Tensor, drafter: Drafter,
                          plan: DraftPlan):  # fmt: skip

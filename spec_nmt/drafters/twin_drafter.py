@@ -30,14 +30,16 @@ import subprocess
 import sys
 import tempfile
 import weakref
+from collections import deque
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from spec_nmt.decoding.drafter import finished_rows, pending_tokens
 from spec_nmt.decoding.tree import DraftTree, chain
+from spec_nmt.drafters.twin_worker import greedy_continuations
 from spec_nmt.errors import SpecNmtError
 from spec_nmt.files import CACHE_DIR
 from spec_nmt.settings import DraftPlan
@@ -157,10 +159,7 @@ class InProcess:
                                                  compute_type=QUANTIZATION, intra_threads=threads)
 
     def continuations(self, sources, prefixes, max_length: int) -> List[List[str]]:
-        """Each row's greedy hypothesis after its forced prefix (the prefix included)."""
-        results = self.translator.translate_batch(sources, target_prefix=prefixes, beam_size=1,
-                                                  max_decoding_length=max_length)  # fmt: skip
-        return [result.hypotheses[0] for result in results]
+        return greedy_continuations(self.translator, sources, prefixes, max_length)
 
 
 class WorkerProcess:
@@ -197,6 +196,10 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 ENGINES = {"process": InProcess, "worker": WorkerProcess}
+# Sentences the twin drafts a first continuation for in one call when they are known ahead
+# (TwinDrafter.draft_ahead): in batches of 4 to 16 a token cost it less than half what it costs
+# one sentence at a time (BENCHMARKS.md, "The twin drafter").
+DRAFT_AHEAD_ROWS = 8
 
 
 def load_twin(model, source_dictionary, target_dictionary, max_positions: int,
@@ -259,6 +262,10 @@ class TwinDrafter:
         self._max_positions = max_positions
         self.directory = directory
         self.description = f"the verifier's CTranslate2 {QUANTIZATION} twin (--drafter twin)"
+        # the sentences to come (draft_ahead): (source pieces, length limit) in decoding order,
+        # and the first continuations drafted for them, by source
+        self._upcoming: Deque[Tuple[Tuple[str, ...], int]] = deque()
+        self._drafted: Dict[Tuple[str, ...], List[str]] = {}
 
     def max_positions(self) -> int:
         return self._max_positions
@@ -268,13 +275,47 @@ class TwinDrafter:
 
     def start(self, net_input: Dict[str, Tensor], verifier_encoder_out: Dict,
               verifier_state=None) -> TwinState:  # fmt: skip
-        sources = []
-        for row in net_input["src_tokens"].tolist():
-            row = [token for token in row if token != self.source_pad]
-            if row and row[-1] == self.source_eos:
-                row = row[:-1]  # (the twin adds its own)
-            sources.append([self.source_symbols[token] for token in row])
-        return TwinState(sources)
+        return TwinState([self._pieces(row) for row in net_input["src_tokens"].tolist()])
+
+    def _pieces(self, row: List[int]) -> List[str]:
+        """A source row's pieces, as the twin reads them: no padding, no EOS (it adds its own)."""
+        row = [token for token in row if token != self.source_pad]
+        if row and row[-1] == self.source_eos:
+            row = row[:-1]
+        return [self.source_symbols[token] for token in row]
+
+    def draft_ahead(self, sources: List[List[int]], limits: List[int]) -> None:
+        """The source rows (token ids) of the sentences the next batches decode, in decoding
+        order, and their length limits: a first continuation is drafted for several of them
+        at once (``DRAFT_AHEAD_ROWS``) when the first of them is drafted for, since a batch
+        of sentences costs the twin less per token than one at a time."""
+        self._upcoming = deque((tuple(self._pieces(row)), limit)
+                               for row, limit in zip(sources, limits))  # fmt: skip
+        self._drafted = {}
+
+    def _first_continuations(self, sources: List[List[str]], max_length: int) -> List[List[str]]:
+        """The twin's translations of ``sources`` (rows with nothing verified yet): those drafted
+        ahead, the others now with the next sentences to come."""
+        keys = [tuple(source) for source in sources]
+        missing = [key for key in dict.fromkeys(keys) if key not in self._drafted]
+        if missing:
+            wanted = set(missing)
+            # (what comes before them was decoded without drafts; without them in the queue,
+            # the queue is not what is decoded, and goes)
+            while self._upcoming and self._upcoming[0][0] not in wanted:
+                self._upcoming.popleft()
+            limits = dict.fromkeys(missing, max_length)
+            while self._upcoming and len(limits) < max(len(missing), DRAFT_AHEAD_ROWS):
+                key, limit = self._upcoming.popleft()
+                limits[key] = max(limit, limits.get(key, 0))
+            drafting = list(limits)
+            hypotheses = self.engine.continuations([list(key) for key in drafting],
+                                                   [[] for _ in drafting], max(limits.values()))
+            self._drafted.update(zip(drafting, hypotheses))
+        found = [self._drafted[key] for key in keys]
+        for key in set(keys):
+            del self._drafted[key]
+        return found
 
     def propose(self, state: TwinState, tokens: Tensor, lengths: Tensor, plan: DraftPlan,
                 generator: Optional[torch.Generator]) -> DraftTree:  # fmt: skip
@@ -290,8 +331,12 @@ class TwinDrafter:
                      .tolist()] for row in rows]  # fmt: skip
         drafts = [[] for _ in finished]
         if rows and plan.depth:
-            hypotheses = self.engine.continuations([state.sources[row] for row in rows],
-                                                   prefixes, max(map(len, prefixes)) + plan.depth)
+            sources = [state.sources[row] for row in rows]
+            if any(prefixes):
+                hypotheses = self.engine.continuations(sources, prefixes,
+                                                       max(map(len, prefixes)) + plan.depth)
+            else:  # a batch's first drafts
+                hypotheses = self._first_continuations(sources, plan.depth)
             unk = self.target_index.get("<unk>", self.pad)
             for row, prefix, hypothesis in zip(rows, prefixes, hypotheses):
                 continuation = hypothesis[len(prefix) : len(prefix) + plan.depth]

@@ -13,6 +13,22 @@ import json
 import sys
 
 
+def greedy_continuations(translator, sources, prefixes, max_length: int):
+    """Each row's greedy hypothesis after its forced prefix (the prefix included), from a
+    ``ctranslate2.Translator``; the twin drafter in a process with torch calls it too. With a
+    prefix, CTranslate2's alternatives mode at one hypothesis gives the same greedy hypothesis
+    but reads the prefix in one decoder pass instead of one step per token: a prefix of all but
+    the last token cost 8 ms instead of 27 (newstest2014, batch 1, one thread). One difference:
+    that mode never ends at its first position, so where greedy would end right after the
+    prefix the draft holds a token that the lossless rule rejects, and the round ends with the
+    verifier's EOS all the same (the relaxed rule, which drafts with the twin only when asked
+    by name, judges it as any draft)."""
+    alternatives = dict(return_alternatives=True, num_hypotheses=1) if any(prefixes) else {}
+    results = translator.translate_batch(sources, target_prefix=prefixes, beam_size=1,
+                                         max_decoding_length=max_length, **alternatives)
+    return [result.hypotheses[0] for result in results]
+
+
 def serve(directory: str, compute_type: str, threads: int) -> None:
     import ctranslate2
 
@@ -22,10 +38,8 @@ def serve(directory: str, compute_type: str, threads: int) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            results = translator.translate_batch(
-                request["sources"], target_prefix=request["prefixes"], beam_size=1,
-                max_decoding_length=request["max_length"])
-            answer = [result.hypotheses[0] for result in results]
+            answer = greedy_continuations(translator, request["sources"], request["prefixes"],
+                                          request["max_length"])
         except (RuntimeError, ValueError) as error:
             answer = {"error": str(error)}
         print(json.dumps(answer), flush=True)
