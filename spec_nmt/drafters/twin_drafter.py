@@ -245,9 +245,9 @@ class TwinDrafter:
     precision = "int8"
     chosen_by_name = False  # --drafter twin (not auto): the relaxed rule drafts with it too
     # the most sentences a batch drafts for by default (settings.draft_batch_limit): on two
-    # cores the twin's drafts earned 1.65x the drafter-less loop at batch 1, 1.27x at 2, a tie
-    # at 4 and lost from 8 on (BENCHMARKS.md, "The twin drafter")
-    default_draft_batch = 4
+    # cores the twin's drafts beat the drafter-less loop up to batches of 8, tied at 16 and
+    # lost at 64 (BENCHMARKS.md, "The twin drafter")
+    default_draft_batch = 8
 
     def __init__(self, engine, source_dictionary, target_dictionary, max_positions: int,
                  directory: Path):  # fmt: skip
