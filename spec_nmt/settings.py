@@ -1,8 +1,7 @@
 """Every setting of speculative decoding in one frozen dataclass, with the one set of defaults
 that the task's flags, the Python API, ``spec-nmt-translate``, ``make translate``, the benchmark,
 the trace and distillation share. Checking a setting and turning the rule's flags into a draft
-shape happen here, once.
-"""
+shape happen here, once."""
 
 import dataclasses
 import functools

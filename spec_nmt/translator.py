@@ -13,8 +13,7 @@ batches, and their translations are joined into one output line (split_sentences
 line as it is). A model directory holds verifier.pt, drafter.pt, dict.{src,tgt}.txt and spm.model
 (scripts/export_model.py writes one). Sentencepiece is applied to the input and removed from the
 output; decoding settings are keyword arguments named as in ``DecodingSettings``
-(spec_nmt/settings.py, which holds their defaults): block_size, beta, tau, verify,
-tree_branching, tree_budget, temperature, sampling_topk, sampling_topp, seed, max_len_a, ...
+(spec_nmt/settings.py, which holds their defaults): block_size, beta, tau, verify, seed, ...
 
 A sentence whose translation lost one of its numbers is repaired after decoding
 (spec_nmt/number_repair.py; ``keep_numbers=False`` turns it off): the guarantees of the rules
@@ -60,8 +59,6 @@ from spec_nmt.text import (
     split_sentences,
     warn_of_long_sentences,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def device_drafter(model_dir: Path, device: str) -> Path:
@@ -271,20 +268,24 @@ class SpecTranslator:
                                         self.encode_target, self.decode, self.batches)  # fmt: skip
         return functools.partial(repair, redecode=redecode)
 
+    def _sentences(self, lines: Sequence[str], split: bool) -> Tuple[List[str], List[int]]:
+        """The sentences of all lines in one list, and the line of each."""
+        sentences, owner = [], []
+        for index, line in enumerate(lines):
+            text = clean_line(line)
+            pieces = (split_sentences(text, self.task.cfg.source_lang) if split
+                      else [text] if text else [])  # fmt: skip
+            sentences.extend(pieces)
+            owner.extend([index] * len(pieces))
+        return sentences, owner
+
     def _decode(self, generator, lines, batch_size: int, split: bool, progress,
                 keep_numbers: bool = True):  # fmt: skip
         single = isinstance(lines, str)
         lines = [lines] if single else lines
         if not isinstance(lines, (list, tuple)) or not all(isinstance(x, str) for x in lines):
             raise SpecNmtError("lines must be a string or a list of strings")
-        language = self.task.cfg.source_lang
-        # The sentences of all lines in one list; owner[i] is the line of sentence i.
-        sentences, owner = [], []
-        for index, line in enumerate(lines):
-            text = clean_line(line)
-            pieces = split_sentences(text, language) if split else [text] if text else []
-            sentences.extend(pieces)
-            owner.extend([index] * len(pieces))
+        sentences, owner = self._sentences(lines, split)
         remaining = [0] * len(lines)
         for index in owner:
             remaining[index] += 1

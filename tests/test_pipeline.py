@@ -17,6 +17,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.data import data_utils
 
+from spec_nmt.drafters.twin_drafter import TwinDrafter
 from spec_nmt.settings import DEFAULTS
 from tests.conftest import BIN, REPO, TINY_TRANSFORMER, built_once, fairseq, script_module
 from tests.toy_corpus import make_pairs, write_corpus
@@ -351,7 +352,7 @@ def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     # are the benchmark's defaults, the reference setting
     run(sys.executable, "benchmarks/benchmark.py", "run", pipeline["cached_model"],
         "--src", pipeline["raw"] / "test.de", "--ref", pipeline["raw"] / "test.en", "--lines", 16,
-        "--batch-size", 8, "--latency-lines", 4, "--warmup-lines", 1, "--lossless-block", 5,
+        "--batch-size", 16, "--latency-lines", 4, "--warmup-lines", 1, "--lossless-block", 5,
         "--block", 5, "--json", out)  # fmt: skip
     result = json.loads(out.read_text())
     rows = {row["system"]: row for row in result["rows"]}
@@ -361,8 +362,9 @@ def test_benchmark_script_reports_lossless_identity(pipeline, tmp_path):
     # by the batch's longest source, speculative decoding by the sentence's own
     assert rows["spec lossless k=5"]["identical_to_greedy"] == 16
     assert rows["spec lossless k=5"]["mean_accepted_per_iteration"] > 0.5
-    # the defaults draft for a sentence alone (batch 1), not in the batches of 8 (the twin's
-    # limit: 4)
+    # the defaults draft for a sentence alone (batch 1), not in a batch of 16 (over the twin's
+    # limit)
+    assert TwinDrafter.default_draft_batch < 16
     assert rows["spec-nmt defaults"]["identical_to_greedy"] == 16
     assert rows["spec-nmt defaults"]["mean_accepted_per_iteration"] == 0
     assert rows["spec-nmt defaults"]["batch1_mean_accepted_per_iteration"] > 0

@@ -20,6 +20,7 @@ from packaging.specifiers import SpecifierSet
 
 from spec_nmt.checkpoint_loading import save_checkpoint
 from spec_nmt.data_prep import check_raw_dir
+from spec_nmt.drafters.twin_drafter import TwinDrafter
 from spec_nmt.errors import SpecNmtError
 from tests.conftest import BIN, BUNDLED_MODEL_DIR, REPO, fairseq_error, script_module
 from tests.toy_corpus import write_corpus
@@ -239,15 +240,18 @@ def test_the_supported_pythons_are_those_fairseq_installs_on():
 
 def test_benchmark_run_reports_the_defaults_acceptance_at_batch_1(tmp_path):
     src, ref = tmp_path / "src.de", tmp_path / "ref.en"
-    src.write_text("Guten Morgen.\nDas Haus ist groß.\nWie geht es dir heute?\n" * 2)
-    ref.write_text("Good morning.\nThe house is big.\nHow are you today?\n" * 2)
+    over_the_limit = TwinDrafter.default_draft_batch + 1  # (sentences the twin drafts for)
+    pairs = [("Guten Morgen.", "Good morning."), ("Das Haus ist groß.", "The house is big."),
+             ("Wie geht es dir heute?", "How are you today?")] * over_the_limit  # fmt: skip
+    src.write_text("".join(de + "\n" for de, _ in pairs[:over_the_limit]))
+    ref.write_text("".join(en + "\n" for _, en in pairs[:over_the_limit]))
     result_path = tmp_path / "run.json"
     script(REPO / "benchmarks" / "benchmark.py", "run", BUNDLED_MODEL_DIR, "--src", src,
-           "--ref", ref, "--batch-size", 6, "--latency-lines", 3, "--warmup-lines", 0,
-           "--json", result_path)  # fmt: skip
+           "--ref", ref, "--batch-size", over_the_limit, "--latency-lines", 3,
+           "--warmup-lines", 0, "--json", result_path)  # fmt: skip
     rows = {row["system"]: row for row in json.loads(result_path.read_text())["rows"]}
     defaults = rows["spec-nmt defaults"]
-    # batches of 6 do not draft (the twin drafts for 4 sentences at most) ...
+    # a batch over the twin's limit does not draft ...
     assert defaults["mean_accepted_per_iteration"] == 0
     assert defaults["batch1_mean_accepted_per_iteration"] > 0  # ... one sentence does
 
