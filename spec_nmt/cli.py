@@ -28,16 +28,8 @@ from dataclasses import fields
 
 # Nothing here imports torch or fairseq (seconds): --help and argument errors answer at once, and
 # the models load only in spec_nmt.cli_session, once the arguments are checked.
+from spec_nmt import options
 from spec_nmt.errors import SpecNmtError
-from spec_nmt.options import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_DRAFTER,
-    DEFAULT_DRAFTER_PRECISION,
-    DRAFTER_CHOICES,
-    DRAFTER_HELP,
-    DRAFTER_PRECISION_HELP,
-    DRAFTER_PRECISION_NAMES,
-)
 from spec_nmt.runtime import DEFAULT_THREADS, THREADS_HELP, check_threads
 from spec_nmt.settings import (
     DECODING_LOOPS,
@@ -76,12 +68,12 @@ def parse_args(argv=None):
         "where it holds one for the device, e.g. drafter.cuda.pt, else MODEL_DIR/drafter.pt)"
     )
     parser.add_argument(
-        "--drafter", choices=DRAFTER_CHOICES, default=DEFAULT_DRAFTER,
-        help=DRAFTER_HELP + " (default: %(default)s)",
+        "--drafter", choices=options.DRAFTER_CHOICES, default=options.DEFAULT_DRAFTER,
+        help=options.DRAFTER_HELP + " (default: %(default)s)",
     )  # fmt: skip
     add_setting_flags(parser)
     parser.add_argument(
-        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+        "--batch-size", type=int, default=options.DEFAULT_BATCH_SIZE,
         help="sentences per batch (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
@@ -114,9 +106,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help=THREADS_HELP + " (default: %(default)s)")
-    parser.add_argument("--drafter-precision", choices=DRAFTER_PRECISION_NAMES,
-                        default=DEFAULT_DRAFTER_PRECISION,
-                        help=DRAFTER_PRECISION_HELP + " (default: %(default)s)")
+    parser.add_argument("--drafter-precision", choices=options.DRAFTER_PRECISION_NAMES,
+                        default=options.DEFAULT_DRAFTER_PRECISION,
+                        help=options.DRAFTER_PRECISION_HELP + " (default: %(default)s)")
     return checked(parser.parse_args(argv))
 
 
