@@ -136,11 +136,14 @@ def test_first_drafts_for_sentences_to_come_are_made_several_at_a_time(toy_pair,
     full, rest = divmod(stats.sentences, twin_drafter.DRAFT_AHEAD_ROWS)
     assert first == [twin_drafter.DRAFT_AHEAD_ROWS] * full + ([rest] if rest else [])
     assert len(twin.engine.calls) - len(first) == stats.iterations - stats.sentences
-    # what a relaxed rule decodes depends on its drafts: never on the sentences after it
-    twin.engine.calls.clear()
-    relaxed, _ = decode_with(task, verifier, twin, 1, look_ahead=True, max_draft_batch=0,
-                             beta=3, tau=1.0)  # fmt: skip
-    assert [rows for rows, prefixed in twin.engine.calls if not prefixed] == [1] * len(relaxed)
+    # what the relaxed rule decodes, and which sample a seed draws, depend on the drafts: never
+    # on the sentences after it
+    for rule in ({"beta": 3, "tau": 1.0}, {"verify": "sampling", "seed": 1}):
+        twin.engine.calls.clear()
+        decoded, _ = decode_with(task, verifier, twin, 1, look_ahead=True, max_draft_batch=0,
+                                 **rule)  # fmt: skip
+        assert [rows for rows, prefixed in twin.engine.calls if not prefixed] == [1] * len(
+            decoded)
 
 
 def test_sentences_other_than_those_announced_are_drafted_as_they_come(toy_pair, tmp_path):

@@ -186,10 +186,11 @@ class SpeculativeGenerator:
     def look_ahead(self, samples: Sequence[Dict]) -> None:
         """The batches this generator decodes next (fairseq samples, in order): a drafter that
         drafts ahead (``draft_ahead``: the twin, cheaper per sentence for several at once) is
-        given the sentences of those it drafts for. Not under the relaxed rule, whose output
-        the drafts decide: it would depend on the sentences that come after."""
+        given the sentences of those it drafts for. Only under the lossless rule: the relaxed
+        rule's output is its drafts', and which sample a seed draws depends on the drafts, and
+        neither should depend on the sentences that come after."""
         draft_ahead = getattr(self.drafter, "draft_ahead", None)
-        if draft_ahead is None or self.settings.relaxed:
+        if draft_ahead is None or self.settings.verify != "top_beta" or self.settings.relaxed:
             return
         sources, limits = [], []
         for sample in samples:
