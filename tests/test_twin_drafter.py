@@ -146,6 +146,42 @@ def test_first_drafts_for_sentences_to_come_are_made_several_at_a_time(toy_pair,
             decoded)
 
 
+def with_an_empty_line(sample, pad, eos):
+    """``sample`` with one more row: an empty line (its EOS alone, padded on the left)."""
+    net_input = sample["net_input"]
+    empty = net_input["src_tokens"].new_full((1, net_input["src_tokens"].size(1)), pad)
+    empty[0, -1] = eos
+    return {**sample, "net_input": {
+        "src_tokens": torch.cat([net_input["src_tokens"], empty]),
+        "src_lengths": torch.cat([net_input["src_lengths"], torch.ones_like(
+            net_input["src_lengths"][:1])])}}  # fmt: skip
+
+
+def test_an_empty_line_does_not_count_against_the_drafting_limit_of_drafts_ahead(toy_pair,
+                                                                                 tmp_path):
+    """A batch of two sentences and an empty line drafts (the limit counts sentences), so its
+    sentences are among those drafted ahead, and the batches after it keep their drafts
+    ahead: DRAFT_AHEAD_ROWS sentences per call of the twin."""
+    task, verifier = toy_pair
+    twin = twin_of(verifier, task, tmp_path)
+    twin.engine = CountedCalls(twin.engine)
+    dictionary = task.source_dictionary
+    samples = batches(task, 2)
+    samples[0] = with_an_empty_line(samples[0], dictionary.pad(), dictionary.eos())
+    settings = DecodingSettings(max_len_a=0, max_len_b=MAX_LEN_B, max_draft_batch=2)
+    generator = SpeculativeGenerator(BlockScorer(verifier), twin, task.target_dictionary,
+                                     settings)  # fmt: skip
+    generator.look_ahead(samples)
+    with torch.no_grad():
+        for sample in samples:
+            generator.generate(None, sample)
+    assert generator.stats.batches_without_drafts == 0
+    first = [rows for rows, prefixed in twin.engine.calls if not prefixed]
+    sentences = sum(int((s["net_input"]["src_lengths"] > 1).sum()) for s in samples)
+    full, rest = divmod(sentences, twin_drafter.DRAFT_AHEAD_ROWS)
+    assert first == [twin_drafter.DRAFT_AHEAD_ROWS] * full + ([rest] if rest else [])
+
+
 def test_sentences_other_than_those_announced_are_drafted_as_they_come(toy_pair, tmp_path):
     """Drafts ahead for sentences that are not decoded next are dropped, not trusted: another
     batch gets its own drafts, and the queue of sentences to come is emptied."""

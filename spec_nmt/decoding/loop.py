@@ -196,8 +196,10 @@ class SpeculativeGenerator:
         for sample in samples:
             src_tokens = sample["net_input"]["src_tokens"]
             src_lengths = sample["net_input"]["src_lengths"]
-            if self._drafting(src_tokens.size(0))[0] is self.drafter:
-                rows = (src_lengths > 1).tolist()  # (an empty line is not decoded)
+            has_source = src_lengths > 1  # (an empty line is not decoded)
+            # (counted as _start counts a batch's sentences for the drafting limit)
+            if self._drafting(int(has_source.sum()))[0] is self.drafter:
+                rows = has_source.tolist()
                 sources.extend(row for row, kept in zip(src_tokens.tolist(), rows) if kept)
                 limits.extend(limit for limit, kept in
                               zip(self._max_lengths(src_lengths).tolist(), rows) if kept)
