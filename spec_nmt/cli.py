@@ -166,6 +166,5 @@ def main(argv=None):
         run(args)
 
 
-
 if __name__ == "__main__":
     main()

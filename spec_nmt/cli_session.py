@@ -231,5 +231,3 @@ def run(args) -> None:
         if stream is not sys.stdin:
             stream.close()
     report(translator, totals, args)
-
-

@@ -2,8 +2,9 @@
 task (``spec_translation``), the drafter models and the criteria.
 
 fairseq's commands with ``--user-dir spec_nmt`` import it through the package (fairseq is
-imported by then); ``spec_nmt.loading`` imports it, so the API and ``spec-nmt-translate`` have it
-before a checkpoint loads; a script that calls fairseq's own API imports it first. The package
+imported by then); ``spec_nmt.translator`` and ``spec_nmt.cli_session`` import it first, so the
+API and ``spec-nmt-translate`` have it before a checkpoint loads; a script that calls fairseq's
+own API imports it first. The package
 itself stays light without fairseq, so that ``spec-nmt-translate --help`` and its argument
 errors answer without loading torch and fairseq (seconds).
 """
