@@ -106,12 +106,8 @@ def speed_by_batch(result: dict, out: Path) -> Path:
     batches = sorted({row["batch_size"] for row in result["rows"]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("batch size (sentences)")
-    ax.set_ylabel("× fairseq greedy (higher is faster)")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.set_title(f"Lossless decoding, {result['lines']} lines, {machine(result)}", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
+    label(ax, "batch size (sentences)", "× fairseq greedy (higher is faster)",
+          f"Lossless decoding, {result['lines']} lines, {machine(result)}", columns=2)
     return save(fig, out / "speed-by-batch.png")
 
 
@@ -153,14 +149,22 @@ def acceptance_by_position(results: Path, out: Path, names=()):
         ax.plot(range(1, len(values) + 1), values, marker="o", markersize=4, label=name)
     longest = max(len(values) for _, values, _ in rows)
     ax.set_xticks(range(1, longest + 1))
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance")
+    # one column: the labels carry their file names
+    label(ax, "draft position", "acceptance", f"Acceptance by draft position, "
+          f"{machine(rows[0][2])}", columns=1)  # fmt: skip
+    return save(fig, out / "acceptance-by-position.png")
+
+
+def label(ax, xlabel: str, ylabel: str, title: str, columns: int) -> None:
+    """Axis labels, a y axis from 0, a light grid, the title, and the legend below the plot in
+    ``columns`` columns."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.set_title(f"Acceptance by draft position, {machine(rows[0][2])}", fontsize=10)
-    # one column: the labels carry their file names
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
-    return save(fig, out / "acceptance-by-position.png")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=columns,
+              frameon=False)  # fmt: skip
 
 
 def save(fig, path: Path) -> Path:

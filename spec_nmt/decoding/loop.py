@@ -32,7 +32,7 @@ from spec_nmt.decoding.drafter import (
     pending_tokens,
 )
 from spec_nmt.decoding.rules import RULES
-from spec_nmt.decoding.static_loop import StaticLoop, emitted_tokens
+from spec_nmt.decoding.static_loop import StaticLoop
 from spec_nmt.decoding.trace import IterationRecord, trace_records
 from spec_nmt.decoding.tree import DraftTree, block_depths, block_visibility
 from spec_nmt.errors import SpecNmtError
@@ -117,10 +117,27 @@ class SpeculativeGenerator:
         self.static = StaticLoop(self.verifier, self.settings, self.eos, self.pad, self.unk)
         return self.static
 
+    def execution(self, src_lengths: Tensor, traced: bool = False) -> Tuple[Drafter, DraftPlan,
+                                                                            bool]:  # fmt: skip
+        """How a batch of sentences with these source lengths is decoded, decided here alone:
+        (its drafter, its draft plan, whether on the static loop). The static loop takes it
+        where this generator has one (made where ``StaticLoop.wanted`` the settings on the
+        verifier's device), it serves the batch's rule, draft shape and drafter
+        (``StaticLoop.serves``), and no trace is asked for. It reads nothing from the device
+        before decoding, so there every row counts as a sentence for the drafting limit (an
+        empty line changes the speed, not the tokens); on the dynamic loop an empty line
+        does not count."""
+        if not traced and self.static is not None:
+            drafter, plan = self._drafting(src_lengths.numel())
+            if self.static.serves(plan, drafter):
+                return drafter, plan, True
+        drafter, plan = self._drafting(int((src_lengths > 1).sum()))
+        return drafter, plan, False
+
     @property
     def on_static_loop(self) -> bool:
         """Whether the static loop decodes the batches this generator drafts for."""
-        return self.static is not None and self.static.serves(self.plan, self.drafter)
+        return self.execution(torch.tensor([2]))[2]  # (a sentence of one token and EOS)
 
     def rng(self, device: torch.device) -> torch.Generator:
         """The sampling generator: one per decoder, seeded once, so a run is reproducible."""
@@ -147,17 +164,15 @@ class SpeculativeGenerator:
         src_lengths = net_input.get("src_lengths")
         if src_lengths is None:
             src_lengths = src_tokens.ne(self.pad).sum(dim=1)
-        if trace is None and self.static is not None:
-            # the static loop reads nothing from the device before decoding: every row counts
-            # as a sentence for the drafting limit (an empty line changes the speed, not the
-            # tokens)
-            drafter, plan = self._drafting(src_tokens.size(0))
-            if self.static.serves(plan, drafter):
-                return self._generate_static(net_input, src_lengths, drafter, plan)
+        drafter, plan, static = self.execution(src_lengths, trace is not None)
+        if drafter is not self.drafter:
+            self.stats.batches_without_drafts += 1
+        if static:
+            return self._generate_static(net_input, src_lengths, drafter, plan)
         max_lens = self._max_lengths(src_lengths)
         self._check_min_len(max_lens)
         rng = self.rng(src_tokens.device)
-        batch = self._start(net_input, src_lengths, max_lens)
+        batch = self._start(net_input, src_lengths, max_lens, drafter, plan)
         rows = batch.rows
         while rows.sentences:
             plan = self._iteration_plan(batch)
@@ -197,8 +212,7 @@ class SpeculativeGenerator:
             src_tokens = sample["net_input"]["src_tokens"]
             src_lengths = sample["net_input"]["src_lengths"]
             has_source = src_lengths > 1  # (an empty line is not decoded)
-            # (counted as _start counts a batch's sentences for the drafting limit)
-            if self._drafting(int(has_source.sum()))[0] is self.drafter:
+            if self.execution(src_lengths)[0] is self.drafter:
                 rows = has_source.tolist()
                 sources.extend(row for row, kept in zip(src_tokens.tolist(), rows) if kept)
                 limits.extend(limit for limit, kept in
@@ -209,8 +223,6 @@ class SpeculativeGenerator:
                          plan: DraftPlan):  # fmt: skip
         """``generate`` on the static loop (static_loop.py): the same hypotheses and totals,
         the length limits computed on the device."""
-        if drafter is not self.drafter:
-            self.stats.batches_without_drafts += 1
         max_lens = self._max_lengths(src_lengths)
         width = net_input["src_tokens"].size(1)  # the longest source
         longest = int(self._max_lengths(torch.tensor([width])))
@@ -235,23 +247,21 @@ class SpeculativeGenerator:
         self.stats.sentences += len(source_lengths)
         return finalized
 
-    def _start(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor) -> BatchDecoding:
+    def _start(self, net_input: Dict, src_lengths: Tensor, max_lens: Tensor, drafter: Drafter,
+               plan: DraftPlan) -> BatchDecoding:  # fmt: skip
         """Encode the batch and start both states. Empty source lines (the appended EOS only)
         get an empty translation without running the decoder; a typed "</s>" is text and gets
         translated, as by SequenceGenerator."""
         src_tokens = net_input["src_tokens"]
         bsz = src_tokens.size(0)
         has_source = src_lengths > 1
-        drafter, plan = self._drafting(int(has_source.sum()))
-        if drafter is not self.drafter:
-            self.stats.batches_without_drafts += 1
         width = int(max_lens.max())
         if plan.depth and drafts_continuations(drafter):
             plan = DraftPlan.chain(width, sample=plan.sample)  # (to the end of the sentence)
         slack = plan.depth + 1  # an iteration may write depth+1 tokens past the prefix
         tokens = src_tokens.new_full((bsz, width + 2 + slack), self.pad)
         tokens[:, 0] = self.eos
-        token_scores = torch.zeros(bsz, width + 1 + slack, device=src_tokens.device)
+        scores = torch.zeros(bsz, width + 1 + slack, device=src_tokens.device)
         encoder_out = self.verifier.encode(net_input)
         verifier_state = self.verifier.start(net_input, encoder_out)
         batch = BatchDecoding(
@@ -259,11 +269,11 @@ class SpeculativeGenerator:
             verifier_state=verifier_state,
             drafter_state=drafter.start(net_input, encoder_out, verifier_state),
             position_limit=drafter.max_positions() - 1,
-            rows=BatchRows.start(tokens, token_scores, max_lens),
+            rows=BatchRows.start(tokens, scores, max_lens),
         )  # fmt: skip
         tokens[~has_source, 1] = self.eos
         for row in (~has_source).nonzero().squeeze(1).tolist():
-            batch.finalized[row].append(self._hypothesis(tokens[row], token_scores[row], 1))
+            batch.finalized[row].append(self._hypothesis(tokens[row], scores[row], 1))
             self.stats.output_tokens += 1
         # From here on every per-sentence tensor has a row per state row
         rows = has_source.nonzero().squeeze(1)
@@ -286,32 +296,24 @@ class SpeculativeGenerator:
     def _commit(self, batch: BatchDecoding, plan: DraftPlan, tree: DraftTree, logits: Tensor,
                 normalizer: Tensor, path: Tensor, n_accepted: Tensor,
                 next_tokens: Tensor) -> Tensor:  # fmt: skip
-        """Append each live row's accepted drafts and next token with their scores, and keep
-        [pending, accepted path] in both caches. Returns the rows this iteration finished."""
+        """Append each live row's accepted drafts and next token with their scores
+        (``Rows.commit``), and keep [pending, accepted path] in both caches. Returns the rows
+        this iteration finished."""
         rows = batch.rows
-        path_tokens = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
-        emitted, n_emitted, ended = emitted_tokens(path_tokens, n_accepted, next_tokens, self.eos)
-        n_emitted *= rows.live
-        device = emitted.device
-        root = torch.zeros_like(next_tokens).unsqueeze(1)
-        kept_entries = torch.cat([root, path.clamp(min=0) + 1], dim=1)
-        slots = rows.lengths.unsqueeze(1) + 1 + torch.arange(emitted.size(1), device=device)
-        rows.tokens.scatter_(1, slots, emitted)
-        state_rows = torch.arange(len(rows.sentences), device=device).unsqueeze(1)
-        emitted_logits = logits[state_rows, kept_entries, emitted]
-        emitted_scores = emitted_logits - normalizer.gather(1, kept_entries)
-        rows.token_scores.scatter_(1, slots - 1, emitted_scores)
-        rows.lengths += n_emitted
+        kept = None  # a chain keeps its first entries
+        drafts = tree.tokens
+        if not plan.is_chain:
+            root = torch.zeros_like(next_tokens).unsqueeze(1)
+            kept = torch.cat([root, path.clamp(min=0) + 1], dim=1)
+            drafts = tree.tokens.gather(1, path.clamp(min=0)) if path.size(1) else path
+        emitted, _, ended = rows.commit(drafts, n_accepted, next_tokens, logits, normalizer,
+                                        tree.valid.sum(dim=1), self.eos, kept)  # fmt: skip
         batch.longest += emitted.size(1)  # no row emits more
-        rows.iterations += rows.live
-        rows.accepted += n_accepted
-        rows.drafted += (tree.valid & rows.live.unsqueeze(1)).sum(dim=1)
-        n_kept = (n_accepted + 1) * rows.live
-        kept = None if plan.is_chain else kept_entries  # a chain keeps its first entries
+        n_kept = (n_accepted + 1) * (rows.live | ended)  # (the rows live before this commit)
         self.verifier.commit(batch.verifier_state, kept, n_kept)
         batch.drafter.commit(batch.drafter_state, kept, n_kept)
         self.stats.batched_verifier_calls += 1
-        return ended & rows.live
+        return ended
 
     def _finish(self, batch: BatchDecoding, ended: Tensor) -> None:
         """Finalize the rows that ended. Finished rows stay in the states (their results are
@@ -319,12 +321,11 @@ class SpeculativeGenerator:
         sentence costs more."""
         rows = batch.rows
         for i in ended.nonzero().squeeze(1).tolist():
-            hypothesis = self._hypothesis(rows.tokens[i], rows.token_scores[i], rows.lengths[i])
+            hypothesis = self._hypothesis(rows.tokens[i], rows.scores[i], rows.lengths[i])
             hypothesis["spec_iterations"] = int(rows.iterations[i])
             hypothesis["spec_accepted_tokens"] = int(rows.accepted[i])
             batch.finalized[rows.sentences[i]].append(hypothesis)
             batch.finished += 1
-        rows.live &= ~ended
         if batch.finished and 4 * batch.finished >= len(rows.sentences):  # all is a quarter too
             self._count(rows, ~rows.live)
             keep = rows.live.nonzero().squeeze(1)

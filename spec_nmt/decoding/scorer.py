@@ -11,27 +11,29 @@ decoder layers run as one TorchScript function (``scripted_layers``), the others
 stock modules (``block_forward``). A block may be a chain (causal inside the block) or a draft
 tree (each entry sees the cached prefix and its ancestors only; positions by depth).
 
-The cache is preallocated per layer ([rows, heads, capacity, head_dim], grown by doubling when a
-block would not fit) and written in place at per-row positions. Row b holds its committed decoder
-inputs in slots ``[0, fed_lengths[b])``; the entries scored since the last commit follow them, so
-a block is written at ``fed_lengths[b] + uncommitted`` and no query ever sees a slot past what its
-row wrote. Committing a chain's accepted prefix only advances ``fed_lengths``: the rejected
-entries stay where they are and the next block overwrites them. Only a tree's kept path, whose
-entries are not contiguous, is moved into place (a few slots per row).
+The cache (``cache.DecoderCache``, the static loop's too) is preallocated per layer
+([rows, heads, capacity, head_dim], grown by doubling when a block would not fit) and written in
+place at per-row positions. Row b holds its committed decoder inputs in slots
+``[0, fed_lengths[b])``; the entries scored since the last commit follow them, so a block is
+written at ``fed_lengths[b] + uncommitted`` and no query ever sees a slot past what its row
+wrote. Committing a chain's accepted prefix only advances ``fed_lengths``: the rejected entries
+stay where they are and the next block overwrites them. Only a tree's kept path, whose entries
+are not contiguous, is moved into place (a few slots per row).
 """
 
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 from fairseq.models.transformer import TransformerDecoderBase
 from torch import Tensor
 
 from spec_nmt.decoding import block_forward, scripted_layers
+from spec_nmt.decoding.cache import DecoderCache
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.errors import SpecNmtError
 
-# initial cache slots per row; zero-filled so that unwritten slots hold no NaN for masked
-# attention weights to multiply
+# initial cache slots per row (cache.layer_slots: zeros)
 INITIAL_CACHE_SLOTS = 64
 
 
@@ -52,28 +54,17 @@ def among_real_entries(pattern: Tensor, real: Tensor) -> Tensor:
     return (pattern & real.unsqueeze(1) & real.unsqueeze(2)) | itself
 
 
-class ScorerState:
-    """Per-batch decoding state: the encoder output's attention keys/values (the encoder output
-    itself is not kept: nothing reads it after they are projected), the self-attention cache
-    and each row's committed length."""
+@dataclass(eq=False)  # (compared and hashed by identity, as tensors are)
+class ScorerState(DecoderCache):
+    """Per-batch decoding state: the decoder's cache (the encoder output itself is not kept:
+    nothing reads it after its keys and values are projected) and each row's committed length."""
 
-    def __init__(self, batch: int, device: torch.device, encoder_keys: List[Tensor],
-                 encoder_values: List[Tensor], encoder_bias: Optional[Tensor]):  # fmt: skip
-        self.encoder_keys = encoder_keys  # per layer [B, heads, source length, head_dim]
-        self.encoder_values = encoder_values
-        self.encoder_bias = encoder_bias  # [B, 1, 1, source length]: -inf at source padding
-        self.fed_lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        self.uncommitted = 0  # block entries scored since the last commit (every row alike)
-        self.keys: List[Tensor] = []  # per layer [B, heads, capacity, head_dim]
-        self.values: List[Tensor] = []
-        # a drafter that reads the verifier's last decoder states (the feature drafter) asks
-        # for each scored block's: [B, W, C], what the output projection read
-        self.keep_block_states = False
-        self.block_states: Optional[Tensor] = None
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].size(2) if self.keys else 0
+    fed_lengths: Optional[Tensor] = None  # [B]
+    uncommitted: int = 0  # block entries scored since the last commit (every row alike)
+    # a drafter that reads the verifier's last decoder states (the feature drafter) asks for
+    # each scored block's: [B, W, C], what the output projection read
+    keep_block_states: bool = False
+    block_states: Optional[Tensor] = None
 
 
 class BlockScorer:
@@ -142,9 +133,10 @@ class BlockScorer:
         if self._scripted is not None:
             self._scripted = _current(self._scripted, self.decoder.layers, self.project)
         encoded = encoder_out["encoder_out"][0]  # [source length, B, C]
-        return ScorerState(encoded.size(1), encoded.device,
-                             *block_forward.encoder_keys_values(self.decoder, encoder_out,
-                                                                self.project))  # fmt: skip
+        keys, values, bias = block_forward.encoder_keys_values(self.decoder, encoder_out,
+                                                               self.project)  # fmt: skip
+        fed_lengths = torch.zeros(encoded.size(1), dtype=torch.long, device=encoded.device)
+        return ScorerState([], [], keys, values, bias, fed_lengths)
 
     def score_logits(
         self,
@@ -190,11 +182,8 @@ class BlockScorer:
         # modules (TorchScript's GPU fusers may round fp16 otherwise)
         scripted = self.scripted_layers() if device.type == "cpu" else None
         if scripted is not None:
-            x = self.layers_function(
-                x.transpose(0, 1), scripted.layers, scripted.packed(x.size(0) * x.size(1)),
-                state.keys, state.values, lowest, None if uniform else slots, span, bias,
-                state.encoder_keys, state.encoder_values, state.encoder_bias, scripted.heads,
-                scripted.scaling, scripted.eps, scripted.normalize_before, scripted.gelu)
+            x = scripted.run(self.layers_function, x.transpose(0, 1), state, lowest,
+                             None if uniform else slots, span, bias)  # fmt: skip
             if dec.layer_norm is not None:
                 x = dec.layer_norm(x)
         else:
@@ -285,30 +274,16 @@ class BlockScorer:
 
     def select_rows(self, state: ScorerState, rows: Tensor) -> None:
         """Keep only ``rows`` of the batch (finished sentences leave), in place."""
-        for caches in (state.keys, state.values, state.encoder_keys, state.encoder_values):
-            caches[:] = [cache.index_select(0, rows) for cache in caches]
-        if state.encoder_bias is not None:
-            state.encoder_bias = state.encoder_bias.index_select(0, rows)
+        state.select_rows(rows)
         state.fed_lengths = state.fed_lengths.index_select(0, rows)
         state.block_states = None  # read at the commit before, never across a selection
 
     def reserve(self, state: ScorerState, slots: int, like: Tensor) -> None:
-        """Make every layer's cache hold at least ``slots`` slots per row (doubling)."""
-        if slots <= state.capacity:
-            return
-        capacity = max(slots, 2 * state.capacity, INITIAL_CACHE_SLOTS)
-        batch = state.fed_lengths.size(0)
-        grown = []
-        for layer in self.decoder.layers:
-            attn = layer.self_attn
-            shape = (batch, attn.num_heads, capacity, attn.head_dim)
-            grown.append([torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in "kv"])
-        for i, (keys, values) in enumerate(grown):
-            if state.keys:
-                keys[:, :, : state.capacity] = state.keys[i]
-                values[:, :, : state.capacity] = state.values[i]
-        state.keys = [keys for keys, _ in grown]
-        state.values = [values for _, values in grown]
+        """Make every layer's cache hold at least ``slots`` slots per row (doubling), of
+        ``like``'s dtype and device."""
+        if slots > state.capacity:
+            capacity = max(slots, 2 * state.capacity, INITIAL_CACHE_SLOTS)
+            state.grow(self.decoder, state.fed_lengths.size(0), capacity, like)
 
     def position_table(self, length: int) -> Optional[Tensor]:
         """The decoder's position table, built once and at least ``length`` long (up to the

@@ -301,6 +301,17 @@ class ScriptedLayers:
             self._packed_by_choice[choice] = packed
         return packed
 
+    def run(self, function, x: Tensor, cache, first_slot: int, slots: Optional[Tensor],
+            span: int, bias: Tensor) -> Tensor:  # fmt: skip
+        """``function`` (``decoder_layers`` or an engine of it) over these layers for the
+        embedded block ``x`` [B, W, C] on ``cache`` (a ``cache.DecoderCache``): its keys and
+        values go to the slots from ``first_slot`` on (every row alike) or to ``slots``
+        [B, W], and it attends to the first ``span`` under the additive ``bias``."""
+        return function(x, self.layers, self.packed(x.size(0) * x.size(1)), cache.keys,
+                        cache.values, first_slot, slots, span, bias, cache.encoder_keys,
+                        cache.encoder_values, cache.encoder_bias, self.heads, self.scaling,
+                        self.eps, self.normalize_before, self.gelu)  # fmt: skip
+
 
 def _weight_and_bias(part: Tuple[nn.Module, ...]) -> List[Tensor]:
     """A norm's or product's weight and bias: the module's own tensors (zeros for a product

@@ -23,8 +23,11 @@ length bucket, k and settings, then replayed: one launch instead of hundreds.
 It serves the top-beta rule with chains of drafts from a drafter with a static form
 (``Drafter.static_form``: the cached drafter, its CTC form, the feature drafter, the benchmark's
 oracle) or none; other rules, trees, --draft-stop, other drafters and traces take the dynamic
-loop. Whether a batch takes it is decided here, in ``StaticLoop.wanted`` (these settings on
-this device) and ``StaticLoop.serves`` (this batch's drafter and draft plan).
+loop. Its steps are the dynamic loop's: ``constraints.constrain``, the rule from
+``rules.RULES`` and ``Rows.commit`` (batch_rows.py), on a ``cache.DecoderCache`` of fixed size.
+``SpeculativeGenerator.execution`` (loop.py) decides which loop a batch takes, from
+``StaticLoop.wanted`` (these settings on this device) and ``StaticLoop.serves`` (this batch's
+drafter and draft plan).
 """
 
 import logging
@@ -36,12 +39,13 @@ from torch import Tensor
 
 from spec_nmt.decoding import block_forward, scripted_layers
 from spec_nmt.decoding.host import any_true, host_read
-from spec_nmt.decoding.rules import accept_top_beta
-from spec_nmt.decoding.scorer import BlockScorer
-from spec_nmt.decoding.static_decoder import Batch, StaticDecoder
+from spec_nmt.decoding.cache import DecoderCache
 from spec_nmt.decoding.constraints import constrain
 from spec_nmt.decoding.drafter import StaticDrafter, static_form
-from spec_nmt.decoding.tree import before_any_eos
+from spec_nmt.decoding.rules import RULES
+from spec_nmt.decoding.scorer import BlockScorer
+from spec_nmt.decoding.static_decoder import Batch, StaticDecoder
+from spec_nmt.decoding.tree import before_any_eos, chain
 from spec_nmt.settings import DecodingSettings, DraftPlan
 
 logger = logging.getLogger(__name__)
@@ -149,7 +153,8 @@ class StaticLoop:
         drafts = self.drafter_for(drafter) if k else None
         encoder_out = self._encode(net_input)
         batch, step = self._batch(src_tokens, longest_limit, k, drafts)
-        batch.verifier.take_encoder(self.verifier, encoder_out)
+        batch.verifier.take_encoder(self.verifier.decoder, self.verifier_scorer.project,
+                                    encoder_out)  # fmt: skip
         if drafts is not None:
             drafts.fill(batch, net_input, encoder_out)
         has_source = src_lengths > 1
@@ -256,7 +261,8 @@ class StaticLoop:
             iterations=torch.zeros(rows, **long), accepted=torch.zeros(rows, **long),
             drafted=torch.zeros(rows, **long),
             offsets=torch.arange(k + 1, **long), slot_index=torch.arange(capacity, **long),
-            verifier=self.verifier.memory(rows, capacity, source_length, dtype, device, masked),
+            verifier=DecoderCache.allocate(self.verifier.decoder, rows, capacity, source_length,
+                                           dtype, device, masked),  # fmt: skip
             drafter=None,
         )  # fmt: skip
         if drafts is not None:
@@ -295,26 +301,17 @@ class StaticLoop:
                                           batch.verifier.keys[0].dtype)
         states = self.verifier.features(batch.verifier, block, positions, positions, bias)
         logits = self.verifier_scorer.output_logits(states)
-        settings = self.settings
-        normalizer = constrain(logits, positions, batch.max_lens, settings, self.eos, self.pad,
-                               self.unk, ask_host=False)  # fmt: skip
-        n_accepted, next_tokens = accept_top_beta(draft_tokens, logits, settings.beta,
-                                                  settings.tau, self.eos)  # fmt: skip
-        emitted, n_emitted, ended = emitted_tokens(draft_tokens, n_accepted, next_tokens, self.eos)
+        normalizer = constrain(logits, positions, batch.max_lens, self.settings, self.eos,
+                               self.pad, self.unk, ask_host=False)  # fmt: skip
+        # (an empty slot, PAD, is no draft: as the dynamic loop's tree.valid)
+        tree = chain(draft_tokens, valid=draft_tokens.ne(self.pad))
+        _, n_accepted, next_tokens = RULES[self.settings.verify](tree, logits, self.settings,
+                                                                 self.eos, None)  # fmt: skip
+        drafted = tree.valid & before_any_eos(draft_tokens, self.eos)
+        emitted, n_emitted, _ = batch.commit(draft_tokens, n_accepted, next_tokens, logits,
+                                             normalizer, drafted.sum(dim=1), self.eos)  # fmt: skip
         if drafts is not None:
-            drafts.observe(batch, states, emitted, n_emitted * batch.live.long())
-        # entry i put emitted[i] at output step lengths + i (token slot lengths + 1 + i); a
-        # finished row writes past its end, where nothing is read
-        batch.tokens.scatter_(1, positions + 1, emitted)
-        scores = logits.gather(2, emitted.unsqueeze(2)).squeeze(2) - normalizer
-        batch.scores.scatter_(1, positions, scores)
-        live = batch.live.long()
-        batch.lengths.add_(n_emitted * live)
-        batch.iterations.add_(live)
-        batch.accepted.add_(n_accepted * live)
-        drafted = draft_tokens.ne(self.pad) & before_any_eos(draft_tokens, self.eos)
-        batch.drafted.add_(drafted.sum(dim=1) * live)  # as the dynamic loop's tree.valid
-        batch.live.logical_and_(~ended)
+            drafts.observe(batch, states, emitted, n_emitted)
         batch.going.copy_(batch.live.any().view(1))
 
 
@@ -338,17 +335,3 @@ def _read_back(batch: Batch, src_lengths: Tensor) -> Dict[str, Tensor]:
     found["tokens"] = packed[start : start + width * rows].view(rows, width)
     found["scores"] = packed[start + width * rows :].view(torch.float64).view(rows, -1).float()
     return found
-
-
-def emitted_tokens(drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, eos: int):
-    """What an iteration appends to each row, given the drafts along the accepted path [B, k]
-    (the first n_accepted count): tokens [B, k+1] (the accepted drafts, then the
-    correction/bonus token unless an accepted EOS ended the sentence), how many of them count
-    [B], and whether the row is finished [B]."""
-    k = drafts.size(1)
-    emitted = torch.cat([drafts, drafts.new_zeros(drafts.size(0), 1)], dim=1)
-    emitted.scatter_(1, n_accepted.unsqueeze(1), next_tokens.unsqueeze(1))
-    accepted_mask = torch.arange(k, device=drafts.device) < n_accepted.unsqueeze(1)
-    eos_accepted = (drafts.eq(eos) & accepted_mask).any(dim=1)
-    ended = eos_accepted | next_tokens.eq(eos)
-    return emitted, n_accepted + (~eos_accepted).long(), ended

@@ -23,7 +23,12 @@ from torch import Tensor
 from spec_nmt.decoding import block_forward
 from spec_nmt.drafters.cached_drafting import CachedDrafter
 from spec_nmt.drafters.ctc import CtcCachedDrafter
-from spec_nmt.drafters.spec_drafter import MASK_SYMBOL, SpecDrafterModel, score_masks
+from spec_nmt.drafters.spec_drafter import (
+    MASK_SYMBOL,
+    SpecDrafterModel,
+    architecture_defaults,
+    score_masks,
+)
 from spec_nmt.errors import SpecNmtError
 
 
@@ -210,18 +215,16 @@ class CachedDrafterModel(SpecDrafterModel):
 @register_model_architecture("cached_drafter", "cached_drafter")
 def cached_drafter_architecture(args):
     """Defaults of every cached drafter: the verifier's encoder shape, a 2-layer decoder."""
-    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    architecture_defaults(args, decoder_layers=2)
     base_architecture(args)
 
 
 @register_model_architecture("cached_drafter", "cached_drafter_small")
 def cached_drafter_small(args):
     """Pairs with the small verifier (6 encoder layers, d=256, 4 heads, FFN 1024)."""
-    for side in ("encoder", "decoder"):
-        setattr(args, f"{side}_embed_dim", getattr(args, f"{side}_embed_dim", 256))
-        setattr(args, f"{side}_ffn_embed_dim", getattr(args, f"{side}_ffn_embed_dim", 1024))
-        setattr(args, f"{side}_attention_heads", getattr(args, f"{side}_attention_heads", 4))
-    args.encoder_layers = getattr(args, "encoder_layers", 6)
+    architecture_defaults(args, encoder_layers=6, encoder_embed_dim=256, decoder_embed_dim=256,
+                          encoder_ffn_embed_dim=1024, decoder_ffn_embed_dim=1024,
+                          encoder_attention_heads=4, decoder_attention_heads=4)  # fmt: skip
     cached_drafter_architecture(args)
 
 

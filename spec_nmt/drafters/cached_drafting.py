@@ -14,7 +14,8 @@ from spec_nmt.decoding import scripted_layers
 from spec_nmt.decoding.block_forward import additive_mask
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer, ScorerState, among_real_entries, value_range
-from spec_nmt.decoding.static_decoder import Memory, StaticDecoder
+from spec_nmt.decoding.cache import DecoderCache
+from spec_nmt.decoding.static_decoder import StaticDecoder
 from spec_nmt.drafters.spec_drafter import NarDrafter
 
 
@@ -116,7 +117,7 @@ class CachedDrafter(NarDrafter):
 
 @dataclass
 class CachedDrafterBuffers:
-    memory: Memory
+    cache: DecoderCache
     fed: Tensor  # [B] prefix entries in the drafter's cache (BOS included)
     masks: Tensor  # [masks] 0 .. masks - 1
     slot_index: Tensor  # [capacity] 0 .. capacity - 1 of its cache
@@ -137,9 +138,10 @@ class StaticCachedDrafter:
         tokens = batch.tokens
         masks = self.cached.mask_slots(batch.k)
         capacity = batch.capacity + masks - batch.k  # (the verifier's has room for k masks)
-        memory = self.decoder.memory(tokens.size(0), capacity, source_length,
-                                     self.cached.dtype, tokens.device, masked_source)
-        return CachedDrafterBuffers(memory, torch.zeros_like(batch.lengths),
+        cache = DecoderCache.allocate(self.decoder.decoder, tokens.size(0), capacity,
+                                      source_length, self.cached.dtype, tokens.device,
+                                      masked_source)  # fmt: skip
+        return CachedDrafterBuffers(cache, torch.zeros_like(batch.lengths),
                                     torch.arange(masks, device=tokens.device),
                                     torch.arange(capacity, device=tokens.device))  # fmt: skip
 
@@ -147,7 +149,8 @@ class StaticCachedDrafter:
         return self.decoder.layers.current()
 
     def fill(self, batch, net_input: Dict, encoder_out: Dict) -> None:
-        batch.drafter.memory.take_encoder(self.decoder, self.cached.in_own_dtype(encoder_out))
+        batch.drafter.cache.take_encoder(self.decoder.decoder, self.cached.scorer.project,
+                                         self.cached.in_own_dtype(encoder_out))  # fmt: skip
         batch.drafter.fed.zero_()
 
     def observe(self, batch, states: Tensor, emitted: Tensor, counts: Tensor) -> None:
@@ -167,9 +170,9 @@ class StaticCachedDrafter:
         mask_seen = ((slot <= batch.lengths.view(-1, 1, 1))
                      | ((slot >= mask_slots[:, :1, None]) & (slot <= mask_slots[:, -1:, None])))
         seen = torch.cat([prefix_seen, mask_seen.expand(-1, masks, -1)], dim=1)
-        logits = self.decoder.logits(state.memory, tokens, torch.cat([prefix, mask_positions], 1),
+        logits = self.decoder.logits(state.cache, tokens, torch.cat([prefix, mask_positions], 1),
                                      torch.cat([prefix, mask_slots], 1),
-                                     additive_mask(seen, state.memory.keys[0].dtype),
+                                     additive_mask(seen, state.cache.keys[0].dtype),
                                      outputs=masks)  # fmt: skip
         state.fed.copy_(batch.lengths + 1)
         return self.cached.best_drafts(logits, batch.k)

@@ -21,7 +21,8 @@ from spec_nmt.decoding.drafter import (
 from spec_nmt.decoding.linears import PackedLinears
 from spec_nmt.decoding.scorer import BlockScorer, ScorerState, among_real_entries, value_range
 from spec_nmt.decoding.scripted_layers import decoder_layers, linear, script
-from spec_nmt.decoding.static_decoder import Memory, StaticDecoder
+from spec_nmt.decoding.cache import DecoderCache
+from spec_nmt.decoding.static_decoder import StaticDecoder
 from spec_nmt.decoding.tree import DraftTree, before_any_eos, greedy_chain
 from spec_nmt.drafters.spec_drafter import over_all_symbols, restrict_output
 from spec_nmt.errors import SpecNmtError
@@ -315,7 +316,7 @@ class DecodingModel(nn.Module):
 
 @dataclass
 class FeatureDrafterBuffers:
-    memory: Memory
+    cache: DecoderCache
     fed: Tensor  # [B] entries in the drafter's cache
     states: Tensor  # [B, k + 1, C] the verifier's final states of its last block
     chosen: Tensor  # [B, k + 1] the tokens those states chose
@@ -338,11 +339,11 @@ class StaticFeatureDrafter:
         tokens = batch.tokens
         rows, device = tokens.size(0), tokens.device
         dtype = batch.verifier.keys[0].dtype
-        memory = self.decoder.memory(rows, batch.capacity, source_length, dtype, device,
-                                     masked_source)  # fmt: skip
+        cache = DecoderCache.allocate(self.decoder.decoder, rows, batch.capacity, source_length,
+                                      dtype, device, masked_source)  # fmt: skip
         channels = self.decoder.decoder.output_projection.weight.size(1)  # the verifier's states
         return FeatureDrafterBuffers(
-            memory, torch.zeros_like(batch.lengths),
+            cache, torch.zeros_like(batch.lengths),
             torch.zeros(rows, batch.k + 1, channels, dtype=dtype, device=device),
             torch.zeros(rows, batch.k + 1, dtype=torch.long, device=device),
             torch.zeros_like(batch.lengths))  # fmt: skip
@@ -352,7 +353,7 @@ class StaticFeatureDrafter:
 
     def fill(self, batch, net_input: Dict, encoder_out: Dict) -> None:
         state = batch.drafter
-        state.memory.take_encoder(self.decoder, encoder_out)
+        state.cache.take_encoder(self.decoder.decoder, self.feature.scorer.project, encoder_out)
         state.fed.zero_()
         state.counts.zero_()
 
@@ -364,10 +365,10 @@ class StaticFeatureDrafter:
 
     def draft(self, batch) -> Tensor:
         state, model = batch.drafter, self.feature.model
-        dtype = state.memory.keys[0].dtype
+        dtype = state.cache.keys[0].dtype
         slots = state.fed.unsqueeze(1) + batch.offsets  # [B, k + 1] slots = positions
         seen = additive_mask(batch.slot_index <= slots.unsqueeze(2), dtype)  # causal
-        fed = self.decoder.features(state.memory, state.chosen, slots, slots, seen,
+        fed = self.decoder.features(state.cache, state.chosen, slots, slots, seen,
                                     inputs=model.step_inputs(state.states, state.chosen))
         last = (state.counts - 1).clamp(min=0).view(-1, 1, 1).expand(-1, 1, fed.size(2))
         predicted = fed.gather(1, last)  # [B, 1, C] after each row's last kept entry
@@ -379,7 +380,7 @@ class StaticFeatureDrafter:
                 slot = start.unsqueeze(1) + step
                 seen = additive_mask(batch.slot_index <= slot.unsqueeze(2), dtype)
                 predicted = self.decoder.features(
-                    state.memory, drafts[-1], slot, slot, seen,
+                    state.cache, drafts[-1], slot, slot, seen,
                     inputs=model.step_inputs(predicted, drafts[-1]))  # fmt: skip
         state.fed.copy_(start)  # (the drafted entries are overwritten next time)
         return torch.cat(drafts, dim=1).masked_fill(state.counts.eq(0).unsqueeze(1),

@@ -234,34 +234,36 @@ class SpecDrafterModel(TransformerModel):
         return self.decoder(prev_output_tokens, encoder_out, scored=scored)
 
 
+def architecture_defaults(args, **defaults) -> None:
+    """Set each of ``defaults`` on ``args`` where the command line left it unset (fairseq's
+    architecture functions)."""
+    for name, value in defaults.items():
+        setattr(args, name, getattr(args, name, value))
+
+
 @register_model_architecture("spec_drafter", "spec_drafter")
 def spec_drafter_architecture(args):
     """Defaults of every Spec-Drafter: deep encoder, shallow decoder; the rest as fairseq's
     transformer base. Named variants set their sizes and call this."""
-    args.encoder_layers = getattr(args, "encoder_layers", 12)
-    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    architecture_defaults(args, encoder_layers=12, decoder_layers=2)
     base_architecture(args)
 
 
 @register_model_architecture("spec_drafter", "spec_drafter_base")
 def spec_drafter_base(args):
     """The paper's shape: 12 encoder / 2 decoder layers, d=512, 8 heads, FFN 2048."""
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 512)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 2048)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 8)
+    architecture_defaults(args, encoder_embed_dim=512, encoder_ffn_embed_dim=2048,
+                          encoder_attention_heads=8)  # fmt: skip
     spec_drafter_architecture(args)
 
 
 @register_model_architecture("spec_drafter", "spec_drafter_small")
 def spec_drafter_small(args):
     """A drafter that trains on a few CPU cores: 6 encoder / 2 decoder layers, d=256, 4 heads."""
-    args.encoder_layers = getattr(args, "encoder_layers", 6)
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
-    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 256)
-    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 1024)
-    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
+    architecture_defaults(args, encoder_layers=6, encoder_embed_dim=256,
+                          encoder_ffn_embed_dim=1024, encoder_attention_heads=4,
+                          decoder_embed_dim=256, decoder_ffn_embed_dim=1024,
+                          decoder_attention_heads=4)  # fmt: skip
     spec_drafter_architecture(args)
 
 
