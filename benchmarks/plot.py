@@ -106,7 +106,7 @@ def speed_by_batch(result: dict, out: Path) -> Path:
     batches = sorted({row["batch_size"] for row in result["rows"]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
-    label(ax, "batch size (sentences)", "× fairseq greedy (higher is faster)",
+    finish_axes(ax, "batch size (sentences)", "× fairseq greedy (higher is faster)",
           f"Lossless decoding, {result['lines']} lines, {machine(result)}", columns=2)
     return save(fig, out / "speed-by-batch.png")
 
@@ -150,12 +150,12 @@ def acceptance_by_position(results: Path, out: Path, names=()):
     longest = max(len(values) for _, values, _ in rows)
     ax.set_xticks(range(1, longest + 1))
     # one column: the labels carry their file names
-    label(ax, "draft position", "acceptance", f"Acceptance by draft position, "
+    finish_axes(ax, "draft position", "acceptance", f"Acceptance by draft position, "
           f"{machine(rows[0][2])}", columns=1)  # fmt: skip
     return save(fig, out / "acceptance-by-position.png")
 
 
-def label(ax, xlabel: str, ylabel: str, title: str, columns: int) -> None:
+def finish_axes(ax, xlabel: str, ylabel: str, title: str, columns: int) -> None:
     """Axis labels, a y axis from 0, a light grid, the title, and the legend below the plot in
     ``columns`` columns."""
     ax.set_xlabel(xlabel)
