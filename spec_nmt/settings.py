@@ -154,8 +154,8 @@ class DecodingSettings:
     max_draft_batch: Optional[int] = field(default=None, metadata={"kind": "rule", "help": (
         "the most sentences a batch may have and still draft; larger batches decode with the "
         "verifier alone (0: draft in every batch; default: for the lossless rule and the "
-        "sampling rules 1 with a drafter file and 4 with the twin, where each measured "
-        "fastest, no limit for a relaxed --beta/--tau)")})
+        "sampling rules 1 with a drafter file, and with the twin 8 on a CPU with AVX-512 and "
+        "4 on others, where each measured fastest; no limit for a relaxed --beta/--tau)")})
     # Both loops give the same tokens (decoding/static_loop.py decides which serves a batch).
     # auto picks by device: on the CPU, where a host read costs nothing, the dynamic loop ran
     # 3-5 % faster with drafts and tied without (BENCHMARKS.md, "The loop on the CPU").

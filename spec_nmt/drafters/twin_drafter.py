@@ -200,6 +200,8 @@ ENGINES = {"process": InProcess, "worker": WorkerProcess}
 # (TwinDrafter.draft_ahead): in batches of 4 to 16 a token cost it less than half what it costs
 # one sentence at a time (BENCHMARKS.md, "The twin drafter").
 DRAFT_AHEAD_ROWS = 8
+# TwinDrafter.default_draft_batch per torch.backends.cpu.get_cpu_capability(); 4 on the others
+DRAFT_BATCH_BY_CPU = {"AVX512": 8}
 
 
 def load_twin(model, source_dictionary, target_dictionary, max_positions: int,
@@ -244,10 +246,12 @@ class TwinDrafter:
     drafts_continuations = True
     precision = "int8"
     chosen_by_name = False  # --drafter twin (not auto): the relaxed rule drafts with it too
-    # the most sentences a batch drafts for by default (settings.draft_batch_limit): on two
-    # cores the twin's drafts beat the drafter-less loop up to batches of 8, tied at 16 and
-    # lost at 64 (BENCHMARKS.md, "The twin drafter")
-    default_draft_batch = 8
+    # the most sentences a batch drafts for by default (settings.draft_batch_limit), by the
+    # CPU's vector unit, on which CTranslate2's int8 products depend more than the verifier's
+    # fp32 ones: with AVX-512 the twin's drafts beat the drafter-less loop up to batches of 8
+    # and tied at 16; with AVX2 they won at 2, tied at 4 and lost at 8 (BENCHMARKS.md, "The
+    # twin drafter")
+    default_draft_batch = DRAFT_BATCH_BY_CPU.get(torch.backends.cpu.get_cpu_capability(), 4)
 
     def __init__(self, engine, source_dictionary, target_dictionary, max_positions: int,
                  directory: Path):  # fmt: skip
