@@ -33,10 +33,6 @@ several k, top-beta/tau and BLEU (what scripts/gpu_check.sh runs):
     python benchmarks/benchmark.py ceiling MODEL_DIR --src test.de --ref test.en --lines 256 \
         --batch-sizes 8,32,128 --device cuda --fp16 --beam5 --lossless-blocks 2,5,10 --top-beta 5:3:1
 
-(--compile-static default adds the drafter-less loop and the defaults on the static loop with
-its iteration compiled by torch.compile, compiled before the timed run: gpu_check.sh's compile
-step.)
-
 What scoring a block of W entries costs the verifier against scoring one (a greedy step of the
 same scorer), per batch size; if every draft were accepted, an iteration of k drafts would emit
 k + 1 tokens for the cost of W = k + 1:
@@ -97,7 +93,6 @@ from sampling_speed import sampling, sampling_system
 from speed_quality import run, sweep
 from static_cost import static_cost
 
-from spec_nmt.decoding.static_loop import COMPILE_MODES
 from spec_nmt.options import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DRAFTER_PRECISION,
@@ -198,10 +193,6 @@ def add_modes(parser: argparse.ArgumentParser) -> None:
                      "encoder stays scripted)")
     sub.add_argument("--lossless-blocks", type=comma_list(int), default=[],
                      help="add the real drafter, lossless, at each of these k")
-    sub.add_argument("--compile-static", metavar="MODE", default=None, choices=COMPILE_MODES,
-                     help="add the drafter-less loop and the defaults on the static loop with "
-                     "its iteration compiled by torch.compile in this mode (on CUDA still "
-                     "captured in the loop's graph), compiled before the timed run")
     sub.add_argument("--top-beta", type=setting, default=None,
                      help="add the real drafter with this K:BETA:TAU (e.g. 5:3:1)")
     sub.add_argument("--draft-stops", type=comma_list(stopped_chain), default=[],

@@ -66,12 +66,6 @@ def ceiling_systems(args, pair, tokens, alone, greedy):
         systems["spec-nmt defaults, stock decoder modules"] = through_modules(defaults(pair))
     if args.beam5:
         systems["fairseq beam5"] = fairseq_generator(pair, 5)
-    if args.compile_static:
-        mode = args.compile_static
-        systems[f"spec-nmt greedy (no drafts), static loop compiled ({mode})"] = compiled(
-            pair.generator(block_size=0, decoding_loop="static"), mode)
-        systems[f"spec-nmt defaults, static loop compiled ({mode})"] = compiled(
-            pair.generator(decoding_loop="static"), mode)
     for block in args.lossless_blocks:
         systems[f"spec lossless, real drafter k={block}"] = speculating(pair, block_size=block)
     for block, stop in args.draft_stops:
@@ -109,15 +103,6 @@ def through_modules(generator: SpeculativeGenerator) -> SpeculativeGenerator:
     return generator
 
 
-def compiled(generator: SpeculativeGenerator, mode: str) -> SpeculativeGenerator:
-    """The generator on a static loop of its own whose iteration torch.compile compiles in
-    ``mode`` (the task shares one loop between generators of equal settings)."""
-    generator.own_static_loop().compile_mode = mode
-    if not generator.on_static_loop:  # (int8 products, for one: a row would be mislabelled)
-        raise SystemExit("ceiling --compile-static: the static loop does not serve this drafter")
-    return generator
-
-
 def ctranslate2_row(report, compute_type: str, batch_size: int, fairseq_ms: float,
                     greedy_text) -> dict:  # fmt: skip
     """A CTranslate2 run's row beside fairseq greedy's ms per token and translations."""
@@ -145,10 +130,9 @@ def ceiling(args):
         systems = ceiling_systems(args, pair, tokens, alone, greedy)
         decode_all(pair, systems, tokens[: args.warmup_lines], batch_size)  # warm-up, untimed
         speculative = [name for name, g in systems.items() if isinstance(g, SpeculativeGenerator)]
-        # every graph the timed run replays captured before it (CUDA), and every iteration it
-        # runs compiled (any device)
-        prepared = [name for name in speculative if systems[name].on_static_loop and (
-            pair.device.type == "cuda" or systems[name].static.compile_mode is not None)]
+        # every graph the timed run replays captured before it (CUDA)
+        prepared = [name for name in speculative
+                    if systems[name].on_static_loop and pair.device.type == "cuda"]
         if prepared:
             decode_all(pair, {name: systems[name] for name in prepared}, tokens, batch_size)
         # On a GPU the phase timers wait for the GPU at every phase, which would slow the timed

@@ -3,9 +3,7 @@
 # (benchmarks/benchmark.py syncs), where the static loop's time goes (benchmark.py static-cost),
 # the GPU benchmark (benchmark.py ceiling on newstest2014: fp32 at batch 1 and at 8, 32, 128, fp16
 # at batch 1; the static loop captured as CUDA graphs beside the dynamic loop, stock fairseq
-# greedy and beam 5, and the oracle), the static loop's iteration compiled by torch.compile and
-# still captured (compile, when GPU_STEPS names it: benchmark.py ceiling --compile-static at
-# batch 1, fp32), the model-size table (benchmark.py sizes), the verifier's greedy translations
+# greedy and beam 5, and the oracle), the model-size table (benchmark.py sizes), the verifier's greedy translations
 # of the training sources for the drafter's next training (distill) and, given its data, the
 # bundled drafter trained on, in one run of at most BUDGET_S seconds (560; the device call's
 # timeout is 600), writing gpu_check.log, gpu_check.json, tests.xml and headline.json
@@ -38,8 +36,7 @@
 # and BATCHED_LINES (benchmark lines at batch 1 and at the other batch sizes), BENCH_RUNS (the
 # benchmark runs, as the runs list in run_bench), BENCH_FLAGS (the systems the benchmark adds to
 # its own; default: beam 5, k = 2, 5, 10, top-beta 5:3:1, no phase run), SYNC_SIZES, COST_LINES
-# (lines of the static loop's cost), COMPILE_LINES and COMPILE_MODE (the compile step's lines
-# and torch.compile mode, default "default"), SIZE_LINES and SIZE_BATCHES (the model-size table),
+# (lines of the static loop's cost), SIZE_LINES and SIZE_BATCHES (the model-size table),
 # DISTILL_LINES (0: all), DRAFTER_FLAGS (fairseq-train flags the train step adds, e.g.
 # "--lr 1e-4"), TRAIN_S (the seconds the steps before training leave it, exports
 # included; it then takes all that is left; 0: their shares decide), TRAIN_KIND (cached: the
@@ -49,8 +46,7 @@
 # bench-feature-trained.json; give it TRAIN_S=430 or more: it trains only what is left after
 # 90 s of margin and the benchmark's time, and refuses under 60 s), BUDGET_S. GPU_STEPS lists
 # the steps in the order they run (default "tests syncs cost bench sizes distill feature train";
-# compile runs only when named, for its compilations' time; feature needs the prepared feature
-# drafter, train the prepared drafter data).
+# feature needs the prepared feature drafter, train the prepared drafter data).
 # CTranslate2 has no CUDA row: the image has no ctranslate2, and its wheels link CUDA 12's cuBLAS
 # (libcublas.so.12), which the CUDA 13 image lacks and which (hundreds of MB) cannot travel.
 set -uo pipefail
@@ -256,7 +252,6 @@ case $MODE in
     BATCHED_SIZES=2,4 WARMUP_LINES=1 BUDGET_S=${BUDGET_S:-2400} TRAIN_S=${TRAIN_S:-600}
     SIZE_LINES=${SIZE_LINES:-2} SIZE_BATCHES=1,2 SIZE_LENGTH=8 DISTILL_LINES=${DISTILL_LINES:-20}
     COST_LINES=${COST_LINES:-3} FEATURE_BENCH_LINES=${FEATURE_BENCH_LINES:-2}
-    COMPILE_LINES=${COMPILE_LINES:-2}
     TEST_FILTER=${TEST_FILTER-lossless or captured or replay or static or sync}
     ;;
 gpu)
@@ -275,7 +270,6 @@ gpu)
     BATCHED_SIZES=8,32,128 WARMUP_LINES=5 BUDGET_S=${BUDGET_S:-560} TRAIN_S=${TRAIN_S:-180}
     SIZE_LINES=${SIZE_LINES:-16} SIZE_BATCHES=1,8,32 SIZE_LENGTH=32 DISTILL_LINES=${DISTILL_LINES:-0}
     COST_LINES=${COST_LINES:-32} FEATURE_BENCH_LINES=${FEATURE_BENCH_LINES:-50}
-    COMPILE_LINES=${COMPILE_LINES:-50}
     ;;
 *)
     echo "usage: $0 [--prepare [DRAFTER_DATA_BIN] | --dry-run]" >&2
@@ -337,8 +331,7 @@ TRAIN_MARGIN_S=$([[ $MODE == gpu ]] && echo 90 || echo 0)
 
 # each step's weight: about the seconds it takes on an H200 (runs 4 and 5); a step gets its
 # weight's share of the seconds left, against the weights of the steps after it (LATER_WEIGHT)
-# (compile: a guess, never run on a GPU; inductor compiles each system's iteration twice)
-declare -A WEIGHT=([tests]=90 [syncs]=25 [cost]=40 [compile]=120 [bench]=240 [sizes]=70
+declare -A WEIGHT=([tests]=90 [syncs]=25 [cost]=40 [bench]=240 [sizes]=70
                    [distill]=60 [feature]=60 [train]=200)
 ((KEEP_S > 0)) && WEIGHT[train]=0  # its seconds are kept: the shares are of the others'
 step() {  # step NAME WEIGHT CAP COMMAND...: WEIGHT / (WEIGHT + LATER_WEIGHT) of the seconds left,
@@ -411,16 +404,6 @@ run_cost() {
         --warmup-lines 2 --json "$WORK/static-cost.json"
 }
 
-run_compile() {
-    # issue 56's other route: the static loop's iteration compiled by torch.compile (inductor's
-    # fused kernels), still captured in the loop's own graph, beside the loop as written and
-    # stock fairseq greedy; batch 1, fp32, compiled and captured before the timed run
-    step bench-compiled "${WEIGHT[compile]}" 0 "$PY" benchmarks/benchmark.py ceiling "$MODEL_DIR" \
-        --src "$CARRY/data/test.de" --device "$DEVICE" --warmup-lines "$WARMUP_LINES" --no-phases \
-        --compile-static "${COMPILE_MODE:-default}" --lines "$COMPILE_LINES" --batch-sizes 1 \
-        --json "$WORK/bench-compiled.json"
-}
-
 run_sizes() {
     # speed by verifier size (bundled, random transformer-base and -big), accepted drafts and
     # batch size
@@ -473,8 +456,8 @@ for index in "${!ORDER[@]}"; do
         LATER_WEIGHT=$((LATER_WEIGHT + ${WEIGHT[$later_step]:-0}))
     done
     case $name in
-    tests | syncs | cost | compile | bench | sizes | distill | feature | train) "run_$name" ;;
-    *) echo "gpu_check: unknown step $name in GPU_STEPS (tests, syncs, cost, compile, bench, sizes, distill, feature, train)" ;;
+    tests | syncs | cost | bench | sizes | distill | feature | train) "run_$name" ;;
+    *) echo "gpu_check: unknown step $name in GPU_STEPS (tests, syncs, cost, bench, sizes, distill, feature, train)" ;;
     esac
 done
 

@@ -30,14 +30,12 @@ class Rows:
     def commit(self, drafts: Tensor, n_accepted: Tensor, next_tokens: Tensor, logits: Tensor,
                normalizer: Tensor, n_drafted: Tensor, eos: int,
                kept: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        """Append to each live row its accepted ``drafts`` [B, k] (the drafts along the
-        accepted path: the first ``n_accepted`` count) and the verifier's ``next_tokens``, with
-        their scores from the block's constrained ``logits`` [B, W, V] and log-normaliser
-        [B, W]; count the iteration and the row's ``n_drafted`` drafts. ``kept`` [B, k + 1]:
-        the block entries whose logits chose them (a tree's root and path); None: the first
-        k + 1 (a chain). A finished row changes nothing (it writes past its end, where nothing
-        is read). Returns the tokens emitted [B, k + 1], how many count per row (0 for a
-        finished row) and the rows this commit finished."""
+        """Append to each live row its accepted ``drafts`` [B, k] (along the accepted path, the
+        first ``n_accepted``) and ``next_tokens``, scored by the block's constrained ``logits``
+        [B, W, V] and log-normaliser [B, W] at the entries ``kept`` [B, k + 1] (a tree's root
+        and path; None: a chain's first k + 1); count the iteration and ``n_drafted``. A
+        finished row writes past its end, where nothing is read. Returns the tokens emitted
+        [B, k + 1], how many count (0 for a finished row) and the rows this commit finished."""
         emitted, n_emitted, ended = emitted_tokens(drafts, n_accepted, next_tokens, eos)
         if kept is None:
             scores = logits.gather(2, emitted.unsqueeze(2)).squeeze(2) - normalizer

@@ -1,12 +1,8 @@
-"""The one cache of both loops: a decoder's per-batch tensors, written in place.
-
-Every decoder the loops run (the verifier's, a cached drafter's, a feature drafter's layer) keeps
-per layer a self-attention cache [B, heads, capacity, head_dim] and its encoder attention's keys
-and values [B, heads, S, head_dim], with the source padding as an additive mask [B, 1, 1, S]
-(None: no padding). A block is written at each row's positions; a rejected entry is simply
-overwritten by the next block. The dynamic loop's ``BlockScorer`` grows the self-attention slots
-by doubling and keeps each row's committed length beside them (``scorer.ScorerState``); the
-static loop allocates them once at their final size and keeps the lengths in its batch's rows.
+"""The one cache of both loops: every decoder they run keeps per layer self-attention slots
+[B, heads, capacity, head_dim], written in place at each row's positions (the next block
+overwrites a rejected entry), and its encoder attention's keys and values [B, heads, S, head_dim]
+with the source padding as an additive mask [B, 1, 1, S] (None: no padding). The dynamic loop
+grows the slots (``scorer.ScorerState``), the static loop allocates them at their final size.
 """
 
 from dataclasses import dataclass

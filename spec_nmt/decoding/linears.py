@@ -137,7 +137,6 @@ class PackedLinears:
         weight unchanged since packing."""
         packed = self.weights.get(linear)
         return not (packed is None or torch.is_grad_enabled()  # (the copy has no gradient)
-                    or torch.compiler.is_compiling()  # (it cannot trace the packed copy)
                     or x.dtype != linear.weight.dtype or x.device.type != "cpu"
                     or linear.weight.data_ptr() != packed.source
                     or linear.weight._version != packed.version

@@ -119,14 +119,11 @@ class SpeculativeGenerator:
 
     def execution(self, src_lengths: Tensor, traced: bool = False) -> Tuple[Drafter, DraftPlan,
                                                                             bool]:  # fmt: skip
-        """How a batch of sentences with these source lengths is decoded, decided here alone:
-        (its drafter, its draft plan, whether on the static loop). The static loop takes it
-        where this generator has one (made where ``StaticLoop.wanted`` the settings on the
-        verifier's device), it serves the batch's rule, draft shape and drafter
-        (``StaticLoop.serves``), and no trace is asked for. It reads nothing from the device
-        before decoding, so there every row counts as a sentence for the drafting limit (an
-        empty line changes the speed, not the tokens); on the dynamic loop an empty line
-        does not count."""
+        """(drafter, draft plan, on the static loop) for a batch with these source lengths: the
+        one place that decides. The static loop takes it where this generator has one
+        (``StaticLoop.wanted``), it serves the batch (``StaticLoop.serves``) and no trace is
+        asked for; it reads nothing from the device first, so every row counts for the
+        drafting limit (an empty line changes the speed, not the tokens)."""
         if not traced and self.static is not None:
             drafter, plan = self._drafting(src_lengths.numel())
             if self.static.serves(plan, drafter):

@@ -291,8 +291,6 @@ class ScriptedLayers:
     def packed(self, rows: int) -> List[List[Optional[Tensor]]]:
         """Per layer, the packed copy of each product that ``project`` runs packed for ``rows``
         rows, else None (the layer's own product)."""
-        if torch.compiler.is_compiling():  # (it traces the layers' own products)
-            return [[None] * len(_products(layer)) for layer in self.modules]
         choice = self.project.choice(rows)
         packed = self._packed_by_choice.get(choice)
         if packed is None:

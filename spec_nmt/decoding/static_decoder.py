@@ -6,7 +6,6 @@ reads or writes (``Batch``), allocated once per shape.
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from spec_nmt.decoding import block_forward, scripted_layers
@@ -43,8 +42,7 @@ class StaticDecoder:
         decoder, layers = self.decoder, self.layers
         x = block_forward.embed(decoder, tokens, positions, self.table, inputs).transpose(0, 1)
         function = scripted_layers.decoder_layers
-        if (x.device.type == "cpu" and scripted_layers.decoder_layers_scripted is not None
-                and not torch.compiler.is_compiling()):  # (torch.compile reads the Python)
+        if x.device.type == "cpu" and scripted_layers.decoder_layers_scripted is not None:
             function = scripted_layers.decoder_layers_scripted
         x = layers.run(function, x, cache, 0, slots, cache.capacity, bias)
         if decoder.layer_norm is not None:

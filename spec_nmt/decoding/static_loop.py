@@ -55,11 +55,6 @@ SOURCE_BUCKET = 16
 # graphs kept per generator (batch sizes x source buckets x k): a file's last, smaller batch
 # makes one of its own
 MAX_GRAPHS = 64
-# torch.compile's modes for the iteration: inductor's fused kernels, and on CUDA the loop
-# captures the compiled iteration in its own graph. (Not the modes in which inductor captures
-# CUDA graphs itself: it skips a graph that writes into its inputs, as the iteration does into
-# its batch's caches and counters, pytorch/pytorch#103985.)
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # drafters kept in their static form, with their graphs: systems that take turns on one loop (a
 # benchmark's oracle and real drafter at the same settings) would otherwise capture every batch
 # again (H200 run 6: 135 captures where 6 did)
@@ -89,11 +84,6 @@ class StaticLoop:
         self._graph_pool = None
         # False: on CUDA too every iteration runs eagerly (the same kernels, launched one by one)
         self.capture_graphs = True
-        # one of COMPILE_MODES: the iteration compiled by torch.compile; None: as written.
-        # Issue 56's other route, for the benchmark (ceiling --compile-static): slower on the
-        # CPU (docs/lab-notes.md, "The static loop compiled by torch.compile")
-        self.compile_mode: Optional[str] = None
-        self._compiled_iteration = None
         # whether batches take the shapes of a captured graph (source lengths in buckets, the
         # encoder without host reads); None: on CUDA. (The CPU tests set it, to check them.)
         self.graph_shapes: Optional[bool] = None
@@ -210,18 +200,14 @@ class StaticLoop:
             batch = self._allocate(rows, capacity, source_length, longest_limit, k, dtype, device,
                                    masked, drafts)  # fmt: skip
 
-            run = self._iteration if self.compile_mode is None else self._compiled()
-
             def iteration():
-                run(batch, drafts)
+                self._iteration(batch, drafts)
 
             step = iteration
             if captured:
                 try:
                     step = self._capture(iteration)
                 except RuntimeError as error:  # a kernel that cannot be captured: run eagerly
-                    if self.compile_mode is not None:  # (or compilation failed: say so)
-                        raise
                     logger.warning("the static loop runs without CUDA graphs: %s",
                                    str(error).strip().splitlines()[0])  # fmt: skip
                     self.capture_graphs = captured = False
@@ -233,20 +219,6 @@ class StaticLoop:
 
     def _graph_shapes(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.graph_shapes is None else self.graph_shapes
-
-    def _compiled(self):
-        """The iteration compiled by torch.compile in ``compile_mode``, whole (a graph break is
-        an error, as is running out of recompilations: nothing falls back to Python unseen).
-        torch keeps the compiled code per code object, for every loop of the process, guarded
-        by the shapes and objects it saw. A first shape compiles at its sizes, a second makes
-        the sizes that changed symbolic (torch's automatic dynamic shapes): two compilations
-        per drafter kind instead of one per source length or bucket (15-20 s each on 2 CPU
-        cores). The products are the layers' own, in Python: TorchScript and the packed
-        oneDNN copies cannot be traced, so the decoder and linears skip them while compiling."""
-        if self._compiled_iteration is None:
-            self._compiled_iteration = torch.compile(self._iteration, mode=self.compile_mode,
-                                                     fullgraph=True)  # fmt: skip
-        return self._compiled_iteration
 
     def _allocate(self, rows, capacity, source_length, longest_limit, k, dtype, device, masked,
                   drafts) -> Batch:  # fmt: skip
