@@ -38,7 +38,7 @@ setup(
     # 3.11 and 3.12, the markers below); the project's own environment runs 3.11
     python_requires=">=3.9,<3.13",
     install_requires=[
-        "torch>=2.0",
+        "torch>=2.1",  # (torch.backends.cpu.get_cpu_capability: the twin's batch limit)
         'fairseq==0.12.2; python_version < "3.11"',
         've-fairseq==0.12.3; python_version >= "3.11" and python_version < "3.13"',
         "sacrebleu>=2.0",

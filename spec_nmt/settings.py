@@ -156,7 +156,7 @@ class DecodingSettings:
         "verifier alone (0: draft in every batch; default: for the lossless rule and the "
         "sampling rules 1 with a drafter file, and with the twin 8 on a CPU with AVX-512 and "
         "4 on others, where each measured fastest; no limit for a relaxed --beta/--tau)")})
-    # Both loops give the same tokens (decoding/static_loop.py decides which serves a batch).
+    # Both loops give the same tokens (SpeculativeGenerator.execution picks a batch's loop).
     # auto picks by device: on the CPU, where a host read costs nothing, the dynamic loop ran
     # 3-5 % faster with drafts and tied without (BENCHMARKS.md, "The loop on the CPU").
     decoding_loop: str = field(default="auto", metadata={"kind": "rule", "help": (

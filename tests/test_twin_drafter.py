@@ -388,7 +388,7 @@ def test_the_bundled_pair_with_its_twin_gives_stock_greedy_output(bundled, batch
     dictionary = bundled.src_dict
     stock = SequenceGenerator([bundled.verifier], bundled.tgt_dict, beam_size=1, max_len_a=1.2,
                               max_len_b=10)  # fmt: skip
-    generator = bundled.generator(max_draft_batch=0)  # (by default the twin drafts up to 8)
+    generator = bundled.generator(max_draft_batch=0)  # (by default the twin drafts up to 8 or 4)
     assert generator.drafter is bundled.drafter.twin
     samples = []
     for start in range(0, len(lines), batch_size):

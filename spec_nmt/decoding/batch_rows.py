@@ -15,8 +15,8 @@ from spec_nmt.settings import DraftPlan
 
 @dataclass
 class Rows:
-    """Each row's verified output and counts, changed in place only (the static loop's captured
-    graph reads and writes the same tensors every replay)."""
+    """Each row's verified output and counts; ``commit`` changes them in place (the static
+    loop's captured graph reads and writes the same tensors every replay)."""
 
     tokens: Tensor  # [B, T] BOS, then the verified output; room for one block past the limit
     scores: Tensor  # [B, T - 1] each output token's log-prob under the verifier

@@ -243,7 +243,8 @@ class StaticLoop:
 
     def _capture(self, iteration):
         """The iteration captured as a CUDA graph (after warm-up runs on a side stream, which
-        the batch's start overwrites); returns its replay."""
+        the batch's start overwrites, and which also fill the caches of shape tensors such as
+        tree._chain_shape outside the capture); returns its replay."""
         start = time.perf_counter()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
