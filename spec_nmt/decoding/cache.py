@@ -53,11 +53,13 @@ class DecoderCache:
         if self.encoder_bias is not None:
             self.encoder_bias = self.encoder_bias.index_select(0, rows)
 
-    def take_encoder(self, decoder, project, encoder_out: Dict) -> None:
-        """Project the batch's encoder output for ``decoder``'s encoder attention into these
-        buffers (longer ones: zeros past the source, masked), without asking the device
-        whether there is padding."""
-        keys, values, bias = block_forward.encoder_keys_values(decoder, encoder_out, project,
+    def take_encoder(self, scorer, encoder_out: Dict) -> None:
+        """Project the batch's encoder output for the encoder attention of ``scorer``'s
+        decoder (a ``scorer.BlockScorer``, with its packed products) into these buffers
+        (longer ones: zeros past the source, masked), without asking the device whether
+        there is padding."""
+        keys, values, bias = block_forward.encoder_keys_values(scorer.decoder, encoder_out,
+                                                               scorer.project,
                                                                without_host=True)  # fmt: skip
         for ours, theirs in ((self.encoder_keys, keys), (self.encoder_values, values)):
             for mine, given in zip(ours, theirs):

@@ -143,8 +143,7 @@ class StaticLoop:
         drafts = self.drafter_for(drafter) if k else None
         encoder_out = self._encode(net_input)
         batch, step = self._batch(src_tokens, longest_limit, k, drafts)
-        batch.verifier.take_encoder(self.verifier.decoder, self.verifier_scorer.project,
-                                    encoder_out)  # fmt: skip
+        batch.verifier.take_encoder(self.verifier_scorer, encoder_out)
         if drafts is not None:
             drafts.fill(batch, net_input, encoder_out)
         has_source = src_lengths > 1
@@ -276,13 +275,14 @@ class StaticLoop:
         logits = self.verifier_scorer.output_logits(states)
         normalizer = constrain(logits, positions, batch.max_lens, self.settings, self.eos,
                                self.pad, self.unk, ask_host=False)  # fmt: skip
-        # (an empty slot, PAD, is no draft: as the dynamic loop's tree.valid)
-        tree = chain(draft_tokens, valid=draft_tokens.ne(self.pad))
+        # drafts as the dynamic loop's tree.valid counts them: none at an empty slot (PAD) or
+        # past an EOS
+        valid = draft_tokens.ne(self.pad) & before_any_eos(draft_tokens, self.eos)
+        tree = chain(draft_tokens, valid=valid)
         _, n_accepted, next_tokens = RULES[self.settings.verify](tree, logits, self.settings,
                                                                  self.eos, None)  # fmt: skip
-        drafted = tree.valid & before_any_eos(draft_tokens, self.eos)
         emitted, n_emitted, _ = batch.commit(draft_tokens, n_accepted, next_tokens, logits,
-                                             normalizer, drafted.sum(dim=1), self.eos)  # fmt: skip
+                                             normalizer, valid.sum(dim=1), self.eos)  # fmt: skip
         if drafts is not None:
             drafts.observe(batch, states, emitted, n_emitted)
         batch.going.copy_(batch.live.any().view(1))

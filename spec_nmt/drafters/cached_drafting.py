@@ -149,8 +149,7 @@ class StaticCachedDrafter:
         return self.decoder.layers.current()
 
     def fill(self, batch, net_input: Dict, encoder_out: Dict) -> None:
-        batch.drafter.cache.take_encoder(self.decoder.decoder, self.cached.scorer.project,
-                                         self.cached.in_own_dtype(encoder_out))  # fmt: skip
+        batch.drafter.cache.take_encoder(self.cached.scorer, self.cached.in_own_dtype(encoder_out))
         batch.drafter.fed.zero_()
 
     def observe(self, batch, states: Tensor, emitted: Tensor, counts: Tensor) -> None:

@@ -353,7 +353,7 @@ class StaticFeatureDrafter:
 
     def fill(self, batch, net_input: Dict, encoder_out: Dict) -> None:
         state = batch.drafter
-        state.cache.take_encoder(self.decoder.decoder, self.feature.scorer.project, encoder_out)
+        state.cache.take_encoder(self.feature.scorer, encoder_out)
         state.fed.zero_()
         state.counts.zero_()
 
